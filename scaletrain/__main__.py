@@ -1,0 +1,3 @@
+from scaletrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Atomic, resumable checkpoints.
+
+Layout of a run directory::
+
+    OUT/checkpoints/step-0000100/      engine state (DeepSpeed: model, optimizer, scheduler)
+                     rank00000.pt      this rank's data-stream state and RNG states
+                     trainer_state.json step, tokens/examples seen, MLflow run id
+                     config.yaml       the resolved config
+                     langs.json        vocabulary languages (manifest order)
+    OUT/checkpoints/latest             name of the newest complete checkpoint
+
+A checkpoint is written under ``step-N.partial`` and renamed when every rank has finished, then
+``latest`` is replaced atomically: a crash during a save leaves the previous checkpoint loadable and
+``latest`` never names a partial one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scaletrain.errors import ScaletrainError
+
+TAG_RE = re.compile(r"^step-(\d+)$")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def latest_tag(ckpt_root: Path) -> str | None:
+    f = ckpt_root / "latest"
+    if not f.is_file():
+        return None
+    tag = f.read_text().strip()
+    if not (ckpt_root / tag / "trainer_state.json").is_file():
+        raise ScaletrainError(f"{f} names {tag!r}, which is not a complete checkpoint; remove {f} or fix it")
+    return tag
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint dir, a run dir (uses checkpoints/latest) or a checkpoints dir."""
+    p = Path(path)
+    if (p / "trainer_state.json").is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        if (root / "latest").is_file():
+            tag = latest_tag(root)
+            return root / tag
+    raise ScaletrainError(
+        f"{p} is not a checkpoint: expected trainer_state.json in it, or a run directory with checkpoints/latest"
+    )
+
+
+class CheckpointManager:
+    def __init__(self, out_dir: Path, engine, keep_last: int):
+        self.root = Path(out_dir) / "checkpoints"
+        self.engine = engine
+        self.keep_last = keep_last
+
+    def save(self, step: int, trainer_state: dict, rank_state: dict, config_yaml: str, langs: list[str]) -> Path:
+        eng = self.engine
+        tag = tag_for(step)
+        partial = tag + ".partial"
+        if eng.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(self.root / partial, ignore_errors=True)  # left by a crash
+        eng.barrier()
+        eng.save(self.root, partial)
+        pdir = self.root / partial
+        pdir.mkdir(parents=True, exist_ok=True)
+        torch.save({**rank_state, "rng": rng_state()}, pdir / f"rank{eng.rank:05d}.pt")
+        if eng.is_main:
+            atomic_write_text(pdir / "trainer_state.json", json.dumps(trainer_state, indent=2))
+            atomic_write_text(pdir / "config.yaml", config_yaml)
+            atomic_write_text(pdir / "langs.json", json.dumps(langs))
+        eng.barrier()
+        if eng.is_main:
+            final = self.root / tag
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(pdir, final)
+            atomic_write_text(self.root / "latest", tag + "\n")
+            self._prune()
+        eng.barrier()
+        return self.root / tag
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        tags = sorted((p.name for p in self.root.iterdir() if TAG_RE.match(p.name)), reverse=True)
+        for old in tags[self.keep_last :]:
+            shutil.rmtree(self.root / old, ignore_errors=True)
+
+    def latest(self) -> str | None:
+        return latest_tag(self.root)
+
+    def load(self, tag: str) -> tuple[dict, dict]:
+        """Restore engine state; return (trainer_state, this rank's state). Sets RNG states."""
+        d = self.root / tag
+        trainer_state = json.loads((d / "trainer_state.json").read_text())
+        saved_world = trainer_state.get("world_size")
+        if saved_world != self.engine.world_size:
+            raise ScaletrainError(
+                f"checkpoint {d} was written by {saved_world} ranks but this run has {self.engine.world_size}; "
+                "exact resume needs the same world size (start a new out_dir, or relaunch with the old rank count)"
+            )
+        self.engine.load(self.root, tag)
+        rank_state = torch.load(d / f"rank{self.engine.rank:05d}.pt", weights_only=False)
+        set_rng_state(rank_state.pop("rng"))
+        return trainer_state, rank_state
+
+
+def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Model state dict from a checkpoint written by any engine, without DeepSpeed's engine."""
+    ms = ckpt / "mp_rank_00_model_states.pt"
+    if ms.is_file():
+        sd = torch.load(ms, map_location="cpu", weights_only=False)
+        module = sd.get("module") or {}
+        zero3 = any(v.numel() == 0 for v in module.values() if torch.is_tensor(v)) or not module
+        if not zero3:
+            return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    st = ckpt / "model.safetensors"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(st))
+    raise ScaletrainError(f"{ckpt}: no model weights found (mp_rank_00_model_states.pt or model.safetensors)")
+
+
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, config, langs, trainer_state) from a checkpoint or run directory."""
+    from scaletrain.config import from_dict
+    from scaletrain.models import build_model
+    from scaletrain.vocab import ByteVocab
+    import yaml
+
+    ckpt = resolve_checkpoint(path)
+    cfg = from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    langs = json.loads((ckpt / "langs.json").read_text())
+    vocab = ByteVocab(langs)
+    model = build_model(cfg.model, vocab.size)
+    sd = load_model_weights(ckpt)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not m.endswith("_float_tensor")]
+    if missing or unexpected:
+        raise ScaletrainError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.to(device).eval()
+    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
+    return model, cfg, vocab, trainer_state, ckpt

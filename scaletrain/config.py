@@ -1,0 +1,313 @@
+"""Typed configuration: a tree of dataclasses loaded from YAML, overridable with dotted keys.
+
+    cfg = load_config("small", ["model.d_model=256", "optim.lr=1e-3"])
+
+Unknown keys and invalid values fail here, before any process starts, with the key named.
+Recipes live in ``scaletrain/recipes/*.yaml`` so an installed wheel has them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scaletrain.errors import ScaletrainError
+from scaletrain.models.config import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    shards: str = "shards/django"  # a directory written by `scaletrain prepare`
+    max_tokens: int = 4096  # token budget per micro-batch per rank: padded src + tgt tokens
+    max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
+    buffer_size: int = 8  # blocks per shuffle window
+    seed: int = 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 4000  # inverse-sqrt schedule: linear warmup, then lr * sqrt(warmup / step)
+    warmup_init_lr: float = 0.0
+    clip_norm: float = 1.0  # 0 disables clipping
+    label_smoothing: float = 0.1
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "deepspeed"  # deepspeed | accelerate
+    ds_config: str = "ds_configs/zero0.json"  # path, or a file name inside the packaged ds_configs
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    grad_accum: int = 1
+    threads: int = 0  # CPU threads per rank; 0 = cores / local ranks
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/{name}"  # {name} is replaced by the recipe name
+    max_steps: int = 1000
+    max_minutes: float = 0.0  # wall-clock budget for the training loop; 0 = none
+    log_every: int = 10
+    save_every: int = 500
+    keep_last: int = 3
+    valid_every: int = 100  # validation loss every N steps (0 = only at the end)
+    valid_max_batches: int = 50
+    seed: int = 1
+    resume: bool = True  # continue from out_dir/latest when it exists
+
+
+@dataclass
+class EvalConfig:
+    split: str = "test"
+    beam: int = 1
+    lenpen: float = 1.0
+    max_len_a: float = 4.0
+    max_len_b: int = 200
+    batch_tokens: int = 8192
+    pivot: str = "en"
+    groups: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else a local store in the project directory
+    experiment: str = "scaletrain"
+    run_name: str = ""
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.train.out_dir.format(name=self.name))
+
+
+# ---------------------------------------------------------------------------------------
+# dict <-> dataclass with checking
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ScaletrainError(f"config key '{key}' must be a mapping, got {value!r}")
+        return _from_dict(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ScaletrainError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ScaletrainError(f"config key '{key}' must be an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "2e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ScaletrainError(f"config key '{key}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ScaletrainError(f"config key '{key}' must be a string, got {value!r}")
+        return str(value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ScaletrainError(f"config key '{key}' must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        (a,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ScaletrainError(f"config key '{key}' must be a list, got {value!r}")
+        return [_coerce(v, a, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, a = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ScaletrainError(f"config key '{key}' must be a mapping, got {value!r}")
+        return {str(k): _coerce(v, a, f"{key}.{k}") for k, v in value.items()}
+    return value
+
+
+def _from_dict(cls, d: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in d if k not in names]
+    if unknown:
+        raise ScaletrainError(
+            f"unknown config key '{prefix}{unknown[0]}'; valid keys under "
+            f"'{prefix.rstrip('.') or 'top level'}': {', '.join(sorted(names))}"
+        )
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    def conv(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, tuple):
+            return [conv(v) for v in x]
+        if isinstance(x, list):
+            return [conv(v) for v in x]
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    return conv(cfg)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# recipes, YAML, overrides
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("scaletrain.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(path_or_name: str) -> tuple[dict, str]:
+    p = Path(path_or_name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ScaletrainError(f"config file {p} does not exist")
+        text, name = p.read_text(encoding="utf-8"), p.stem
+    else:
+        res = resources.files("scaletrain.recipes") / f"{path_or_name}.yaml"
+        if not res.is_file():
+            raise ScaletrainError(
+                f"unknown recipe '{path_or_name}'; packaged recipes: {', '.join(recipe_names())} "
+                "(or give a path to a .yaml file)"
+            )
+        text, name = res.read_text(encoding="utf-8"), path_or_name
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ScaletrainError(f"config {path_or_name}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ScaletrainError(f"config {path_or_name}: top level must be a mapping")
+    return data, name
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _load_tree(path_or_name: str, seen: tuple = ()) -> tuple[dict, str]:
+    data, name = _read_yaml(path_or_name)
+    base = data.pop("base", None)  # a recipe may extend another recipe
+    if base:
+        if base in seen:
+            raise ScaletrainError(f"recipe '{path_or_name}': circular 'base: {base}'")
+        parent, _ = _load_tree(base, seen + (path_or_name,))
+        data = _merge(parent, data)
+    return data, name
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ScaletrainError(f"override '{item}' must look like section.key=value (e.g. optim.lr=1e-3)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _merge({}, data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ScaletrainError(f"override '{item}': '{part}' is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def from_dict(data: dict) -> Config:
+    cfg = _from_dict(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config:
+    data, name = _load_tree(path_or_name)
+    data.setdefault("name", name)
+    data = apply_overrides(data, overrides or [])
+    return from_dict(data)
+
+
+def validate(cfg: Config) -> None:
+    def bad(key, msg):
+        raise ScaletrainError(f"config key '{key}': {msg}")
+
+    if cfg.engine.backend not in ("deepspeed", "accelerate"):
+        bad("engine.backend", f"must be deepspeed or accelerate, got {cfg.engine.backend!r}")
+    if cfg.engine.precision not in ("fp32", "bf16", "fp16"):
+        bad("engine.precision", f"must be fp32, bf16 or fp16, got {cfg.engine.precision!r}")
+    if cfg.engine.grad_accum < 1:
+        bad("engine.grad_accum", "must be >= 1")
+    if cfg.model.d_model % cfg.model.n_heads:
+        bad("model.n_heads", f"d_model {cfg.model.d_model} is not divisible by n_heads {cfg.model.n_heads}")
+    if cfg.data.max_bytes + 2 > cfg.model.max_positions:
+        bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
+    if cfg.data.max_tokens < 2 * (cfg.data.max_bytes + 2):
+        bad("data.max_tokens", f"{cfg.data.max_tokens} cannot hold one example of max_bytes {cfg.data.max_bytes}")
+    if cfg.optim.lr <= 0:
+        bad("optim.lr", "must be > 0")
+    if not 0 <= cfg.optim.label_smoothing < 1:
+        bad("optim.label_smoothing", "must be in [0, 1)")
+    if cfg.train.max_steps < 1:
+        bad("train.max_steps", "must be >= 1")
+    if cfg.eval.beam < 1:
+        bad("eval.beam", "must be >= 1")
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,1 @@
+"""Readers, shard writer and the training stream."""

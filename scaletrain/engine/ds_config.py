@@ -1,0 +1,80 @@
+"""Read a user's DeepSpeed JSON and fill in the values the trainer owns.
+
+Token-budget batches have a variable number of sentences, so DeepSpeed's sentence counts are
+nominal: train_micro_batch_size_per_gpu is 1 "batch", train_batch_size = grad_accum * world.
+A value the user set that disagrees with ours is an error naming both.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scaletrain.errors import ScaletrainError
+
+
+REPO_DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def resolve_ds_config_path(name: str) -> Path:
+    """A path as given, else a file of the project's ds_configs/ directory."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for cand in (REPO_DS_CONFIGS / p.name, REPO_DS_CONFIGS / name):
+        if cand.is_file():
+            return cand
+    avail = sorted(x.name for x in REPO_DS_CONFIGS.glob("*.json")) if REPO_DS_CONFIGS.is_dir() else []
+    raise ScaletrainError(
+        f"DeepSpeed config {name} not found (engine.ds_config); give a path or one of: {', '.join(avail)}"
+    )
+
+
+def load_ds_config(cfg, world_size: int) -> dict:
+    path = resolve_ds_config_path(cfg.engine.ds_config)
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ScaletrainError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ScaletrainError(f"{path}: top level must be a JSON object")
+    gas = cfg.engine.grad_accum
+    owned = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": gas * world_size,
+        "gradient_clipping": float(cfg.optim.clip_norm),
+    }
+    ours_key = {
+        "train_micro_batch_size_per_gpu": "data.max_tokens (batches are token budgets)",
+        "gradient_accumulation_steps": "engine.grad_accum",
+        "train_batch_size": "engine.grad_accum x world size",
+        "gradient_clipping": "optim.clip_norm",
+    }
+    for k, v in owned.items():
+        if k in ds and ds[k] != "auto" and ds[k] != v:
+            raise ScaletrainError(
+                f"{path}: '{k}' is {ds[k]!r} but scaletrain sets it to {v!r} from {ours_key[k]}; "
+                f"remove it from the JSON (or set it to \"auto\") and change {ours_key[k].split(' ')[0]} instead"
+            )
+        ds[k] = v
+    prec = cfg.engine.precision
+    for section, want in (("bf16", prec == "bf16"), ("fp16", prec == "fp16")):
+        sec = ds.get(section)
+        if isinstance(sec, dict) and "enabled" in sec and sec["enabled"] not in ("auto", want):
+            raise ScaletrainError(
+                f"{path}: '{section}.enabled' is {sec['enabled']!r} but engine.precision is {prec!r}; "
+                "set precision with engine.precision only"
+            )
+        sec = dict(sec or {})
+        sec["enabled"] = want
+        ds[section] = sec
+    if "optimizer" in ds or "scheduler" in ds:
+        raise ScaletrainError(
+            f"{path}: 'optimizer'/'scheduler' sections are owned by scaletrain (optim.* keys); remove them"
+        )
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ScaletrainError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    ds.setdefault("steps_per_print", 10**9)  # our loop prints its own log lines
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds

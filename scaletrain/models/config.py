@@ -1,0 +1,41 @@
+"""Typed model configuration (the ``model:`` section of a recipe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "transformer"  # registry key, see scaletrain.models.build_model
+    d_model: int = 512
+    n_heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    ffn_dim: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    activation: str = "relu"  # relu | gelu
+    pre_ln: bool = False  # False = post-LN as in the papers
+    max_positions: int = 1024
+    share_embeddings: bool = True  # tie encoder/decoder input embeddings and output projection
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+
+    # ---- added by the model package (all optional; defaults = plain Transformer) ----------
+    # explicit dropout switches (Embeddingless removes encoder-input and last-decoder-layer dropout)
+    encoder_input_dropout: bool = True  # dropout on embedded source (+positions)
+    decoder_input_dropout: bool = True  # dropout on embedded decoder input ("token dropout" with one-hot)
+    decoder_last_layer_dropout: bool = True  # residual dropout inside the last decoder layer
+    # input/output representation
+    embedding: str = "learned"  # learned | onehot (frozen one-hot rows, Shaham & Levy 2021)
+    onehot_learnable_scales: bool = True  # onehot: 3 learnable scalars (enc, dec, out) init sqrt(d); else constant
+    # LOBEF front-ends (arch byte_ncf / byte_wsf): byte layers replace the first encoder layers
+    byte_encoder_layers: int = 4  # layers inside the front-end (nCF paper: 4, WSF paper: 2)
+    ncf_ngrams: list[int] = field(default_factory=lambda: [1, 2, 3, 4])  # 1 = identity stream
+    wsf_separators: list[int] = field(default_factory=lambda: [32])  # byte VALUES that end a word (32 = space)
+    # convolutional attention (arch msc / msha / moce)
+    conv_kernels: list[int] = field(default_factory=lambda: [0, 1, 3, 5, 7, 9])  # 0 = identity; odd sizes
+    conv_layers: list[int] = field(default_factory=lambda: [0])  # encoder layers with the variant attention
+    moce_top_k: int = 2
+    moce_lid: bool = False  # router also sees the source-tag embedding (tag at src position 0)
+    moce_route_scaled_q: bool = True  # as the paper's code: q is scaled by d_h^-1/2 before routing/experts

@@ -1,0 +1,287 @@
+"""The one training loop. Engine-agnostic: DeepSpeed or Accelerate behind `scaletrain.engine.Engine`.
+
+Loss normalisation: each rank computes *summed* label-smoothed CE over its micro-batches; the loop
+all-reduces the number of target tokens of the whole step (all ranks, all micro-batches) first and
+scales each micro-batch loss so that, after the engine's averaging over ranks and accumulation
+steps, the gradient is d(sum of losses)/d(theta) / (global target tokens).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.config import Config, dump_yaml, flatten, to_dict
+from scaletrain.data.batch import Batch
+from scaletrain.data.shards import load_manifest
+from scaletrain.data.stream import ShardStream
+from scaletrain.engine import build_engine
+from scaletrain.models import build_model, count_parameters
+from scaletrain.models.loss import label_smoothed_ce
+from scaletrain.vocab import ByteVocab
+
+log = logging.getLogger("scaletrain")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    valid_nll: list[tuple[int, float]]  # (step, nats per target token)
+    unigram_nll: float
+    train_seconds: float
+    run_id: str | None
+    out_dir: str
+    final_checkpoint: str
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def unigram_nll(shards: str, split: str = "valid") -> float:
+    """Cross-entropy (nats/token) of `split` targets under a target-side unigram model fit on train.
+
+    The bar a model must clear to show it uses the source at all (add-one smoothing; EOS counted).
+    """
+    from scaletrain.data.shards import read_split
+
+    counts = np.ones(257, dtype=np.float64)  # 256 bytes + EOS
+    for ex in read_split(shards, "train"):
+        counts[:256] += np.bincount(np.frombuffer(ex.tgt, dtype=np.uint8), minlength=256)
+        counts[256] += 1
+    logp = np.log(counts / counts.sum())
+    tot, n = 0.0, 0
+    for ex in read_split(shards, split):
+        b = np.frombuffer(ex.tgt, dtype=np.uint8)
+        tot -= logp[b].sum() + logp[256]
+        n += len(b) + 1
+    return tot / max(n, 1)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        seed_everything(cfg.train.seed)
+        self.engine = build_engine(cfg)
+        eng = self.engine
+        self.manifest = load_manifest(cfg.data.shards)
+        self.vocab = ByteVocab(self.manifest.langs)
+        torch.manual_seed(cfg.train.seed)  # same init on every rank
+        model = build_model(cfg.model, self.vocab.size)
+        self.param_counts = count_parameters(model)
+        eng.setup(model)
+        self.stream = ShardStream(
+            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, seed=cfg.data.seed,
+            max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes, buffer_size=cfg.data.buffer_size,
+        )
+        self.out_dir = cfg.out_dir
+        self.ckpt = CheckpointManager(self.out_dir, eng, cfg.train.keep_last)
+        self.step = 0
+        self.tokens_seen = 0
+        self.examples_seen = 0
+        self.run_id: str | None = None
+        self.valid_history: list[tuple[int, float]] = []
+        self.tracker = None
+
+    # ------------------------------------------------------------------------------
+    def _start_tracking(self, resumed_run_id: str | None) -> None:
+        from scaletrain.tracking import Tracker, broadcast_run_id
+
+        cfg = self.cfg
+        eng = self.engine
+        enabled = cfg.tracking.enabled
+        self.tracker = Tracker(
+            uri=cfg.tracking.uri or None, experiment=cfg.tracking.experiment,
+            run_name=cfg.tracking.run_name or cfg.name, is_main=eng.is_main and enabled, project_dir=Path.cwd(),
+        )
+        run_id = None
+        if eng.is_main and enabled:
+            if resumed_run_id:
+                self.tracker.resume(resumed_run_id)
+                run_id = resumed_run_id
+            else:
+                params = flatten(to_dict(cfg))
+                params.update({"world_size": eng.world_size, "vocab_size": self.vocab.size})
+                params.update({f"params.{k}": v for k, v in self.param_counts.items()})
+                run_id = self.tracker.start(params, tags={"recipe": cfg.name})
+                self.tracker.log_text(dump_yaml(cfg), "config.yaml")
+        self.run_id = broadcast_run_id(run_id, eng.is_main)
+
+    def _maybe_resume(self) -> str | None:
+        if not self.cfg.train.resume:
+            return None
+        tag = self.ckpt.latest()
+        if tag is None:
+            return None
+        state, rank_state = self.ckpt.load(tag)
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.examples_seen = state["examples_seen"]
+        self.valid_history = [tuple(x) for x in state.get("valid_history", [])]
+        self.stream.load_state_dict(rank_state["stream"])
+        if self.engine.is_main:
+            log.info("resumed from %s at step %d", self.ckpt.root / tag, self.step)
+        return state.get("run_id")
+
+    def save(self) -> Path:
+        state = {
+            "step": self.step, "tokens_seen": self.tokens_seen, "examples_seen": self.examples_seen,
+            "world_size": self.engine.world_size, "run_id": self.run_id, "valid_history": self.valid_history,
+            "recipe": self.cfg.name,
+        }
+        return self.ckpt.save(self.step, state, {"stream": self.stream.state_dict()}, dump_yaml(self.cfg), self.vocab.langs)
+
+    # ------------------------------------------------------------------------------
+    def _loss(self, batch: Batch):
+        logits = self.engine.forward(batch.src, batch.tgt_in)
+        return label_smoothed_ce(logits, batch.tgt_out, epsilon=self.cfg.optim.label_smoothing, ignore_index=self.vocab.pad)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        eng = self.engine
+        eng.train(False)
+        stream = ShardStream(
+            self.cfg.data.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
+            max_tokens=self.cfg.data.max_tokens, max_bytes=self.cfg.data.max_bytes, epochs=1,
+        )
+        nll = 0.0
+        n = 0
+        for i, batch in enumerate(stream):
+            if i >= self.cfg.train.valid_max_batches:
+                break
+            _, nll_sum, ntok = self._loss(batch.to(eng.device))
+            nll += float(nll_sum)
+            n += int(ntok)
+        tot_nll, tot_n = eng.all_reduce_sum([nll, n])
+        eng.train(True)
+        return tot_nll / max(tot_n, 1)
+
+    def fit(self) -> TrainResult:
+        cfg = self.cfg
+        eng = self.engine
+        tc = cfg.train
+        gas = cfg.engine.grad_accum
+        resumed = self._maybe_resume()
+        self._start_tracking(resumed)
+        base_nll = unigram_nll(cfg.data.shards) if eng.is_main else 0.0
+        base_nll = eng.broadcast_object(base_nll)
+        if eng.is_main:
+            n_params = sum(v for k, v in self.param_counts.items() if k == "total")
+            log.info(
+                "training %s: %d ranks on %s, %s params, %s, target-unigram valid nll %.3f",
+                cfg.name, eng.world_size, eng.device, f"{n_params:,}", cfg.engine.precision, base_nll,
+            )
+            if self.tracker:
+                self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.step)
+        it = iter(self.stream)
+        eng.train(True)
+        t_start = time.time()
+        t_log = time.time()
+        tok_log = 0
+        loss_acc = nll_acc = 0.0
+        ntok_acc = 0
+        steps_at_start = self.step
+        stop = False
+        while self.step < tc.max_steps and not stop:
+            micro = [next(it) for _ in range(gas)]
+            local_tok = sum(b.n_tgt_tokens for b in micro)
+            elapsed = time.time() - t_start
+            over_time = 1.0 if (tc.max_minutes > 0 and elapsed > tc.max_minutes * 60) else 0.0
+            g_tok, g_stop = eng.all_reduce_sum([local_tok, over_time])
+            if g_stop > 0:
+                break
+            scale = eng.world_size * gas / g_tok
+            for b in micro:
+                b = b.to(eng.device)
+                loss_sum, nll_sum, ntok = self._loss(b)
+                eng.backward(loss_sum * scale)
+                loss_acc += float(loss_sum.detach())
+                nll_acc += float(nll_sum)
+                ntok_acc += int(ntok)
+                self.examples_seen += b.size
+            info = eng.step()
+            self.step += 1
+            self.tokens_seen += int(g_tok)
+            tok_log += int(g_tok)
+            if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                l, nl, nt = eng.all_reduce_sum([loss_acc, nll_acc, ntok_acc])
+                dt = time.time() - t_log
+                tps = tok_log / max(dt, 1e-9)
+                done = self.step - steps_at_start
+                per_step = (time.time() - t_start) / max(done, 1)
+                eta_steps = (tc.max_steps - self.step) * per_step
+                if tc.max_minutes > 0:
+                    eta_steps = min(eta_steps, max(0.0, tc.max_minutes * 60 - (time.time() - t_start)))
+                metrics = {
+                    "train/loss": l / max(nt, 1), "train/nll": nl / max(nt, 1), "train/lr": info.lr,
+                    "train/grad_norm": info.grad_norm, "train/tokens_per_s": tps,
+                    "train/tokens_seen": self.tokens_seen, "train/skipped_steps": float(info.skipped),
+                }
+                if eng.is_main:
+                    log.info(
+                        "step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s | eta %s",
+                        self.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps,
+                        _fmt_secs(eta_steps),
+                    )
+                    self.tracker.log_metrics(metrics, step=self.step)
+                loss_acc = nll_acc = 0.0
+                ntok_acc = 0
+                tok_log = 0
+                t_log = time.time()
+            if tc.valid_every and self.step % tc.valid_every == 0:
+                self._log_valid()
+            if tc.save_every and self.step % tc.save_every == 0:
+                self.save()
+        train_seconds = time.time() - t_start
+        if not self.valid_history or self.valid_history[-1][0] != self.step:
+            self._log_valid()
+        final = self.save()
+        if eng.is_main:
+            self.tracker.log_metrics({"train/seconds": train_seconds, "train/steps": self.step}, step=self.step)
+            self.tracker.flush()
+        return TrainResult(
+            steps=self.step, tokens=self.tokens_seen, valid_nll=list(self.valid_history), unigram_nll=base_nll,
+            train_seconds=train_seconds, run_id=self.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final),
+        )
+
+    def _log_valid(self) -> None:
+        v = self.validate()
+        self.valid_history.append((self.step, v))
+        if self.engine.is_main:
+            log.info("step %6d | valid nll %.4f (%.3f bits/byte)", self.step, v, v / math.log(2))
+            self.tracker.log_metrics({"valid/nll": v}, step=self.step)
+
+    def close(self, status: str = "FINISHED") -> None:
+        if self.tracker is not None:
+            self.tracker.end(status)
+
+
+def _fmt_secs(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def train(cfg: Config) -> TrainResult:
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.fit()
+    except BaseException:
+        trainer.close("FAILED")
+        raise
+    trainer.close("FINISHED")
+    if trainer.engine.is_main:
+        summary = Path(result.out_dir) / "train_summary.json"
+        summary.write_text(json.dumps(result.__dict__, indent=2))
+    return result

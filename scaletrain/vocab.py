@@ -1,0 +1,134 @@
+"""The one place that knows the id layout.
+
+    0..3            specials: pad, bos, eos, unk
+    4..259          the 256 byte values (byte b -> id b + 4)
+    260..260+L-1    language tags ``__xx__`` in the order of the shard manifest
+
+Nothing else in the project hard-codes an id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from scaletrain.errors import ScaletrainError
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+BYTE_OFFSET = len(SPECIALS)
+N_BYTES = 256
+LANG_OFFSET = BYTE_OFFSET + N_BYTES
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    text: str
+    invalid: int  # number of malformed UTF-8 sequences replaced by U+FFFD
+
+
+def _decode_counting(raw: bytes) -> DecodeResult:
+    """UTF-8 decode that replaces each malformed sequence with U+FFFD and counts them.
+
+    Same output as ``raw.decode('utf-8', 'replace')``; the count is what that call hides.
+    """
+    parts: list[str] = []
+    invalid = 0
+    pos = 0
+    while True:
+        try:
+            parts.append(raw[pos:].decode("utf-8"))
+            break
+        except UnicodeDecodeError as e:
+            parts.append(raw[pos : pos + e.start].decode("utf-8"))
+            parts.append("\ufffd")
+            invalid += 1
+            pos += e.end
+    return DecodeResult("".join(parts), invalid)
+
+
+class ByteVocab:
+    """Byte vocabulary with language tags appended in manifest order."""
+
+    def __init__(self, langs: Sequence[str]):
+        langs = list(langs)
+        if len(set(langs)) != len(langs):
+            raise ScaletrainError(f"duplicate language codes in vocabulary: {langs}")
+        self.langs = langs
+        self._lang_index = {code: i for i, code in enumerate(langs)}
+
+    # ---- sizes and ids -------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return LANG_OFFSET + len(self.langs)
+
+    def __len__(self) -> int:
+        return self.size
+
+    pad = PAD
+    bos = BOS
+    eos = EOS
+    unk = UNK
+
+    def lang_index(self, code: str) -> int:
+        try:
+            return self._lang_index[code]
+        except KeyError:
+            raise ScaletrainError(
+                f"unknown language code {code!r}; this vocabulary has: {', '.join(self.langs)}"
+            ) from None
+
+    def lang_id(self, code: str) -> int:
+        return LANG_OFFSET + self.lang_index(code)
+
+    def lang_ids(self) -> np.ndarray:
+        return np.arange(LANG_OFFSET, LANG_OFFSET + len(self.langs), dtype=np.int64)
+
+    def is_lang_id(self, i: int) -> bool:
+        return LANG_OFFSET <= i < self.size
+
+    def lang_of_id(self, i: int) -> str:
+        if not self.is_lang_id(i):
+            raise ScaletrainError(f"id {i} is not a language tag")
+        return self.langs[i - LANG_OFFSET]
+
+    def token_str(self, i: int) -> str:
+        if i < BYTE_OFFSET:
+            return SPECIALS[i]
+        if i < LANG_OFFSET:
+            return f"<0x{i - BYTE_OFFSET:02X}>"
+        if i < self.size:
+            return f"__{self.langs[i - LANG_OFFSET]}__"
+        raise ScaletrainError(f"id {i} is outside the vocabulary (size {self.size})")
+
+    # ---- encoding ------------------------------------------------------------------
+    @staticmethod
+    def bytes_to_ids(raw: bytes | np.ndarray) -> np.ndarray:
+        arr = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else raw
+        return arr.astype(np.int64) + BYTE_OFFSET
+
+    def encode(self, text: str, add_eos: bool = True) -> list[int]:
+        ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
+        if add_eos:
+            ids.append(EOS)
+        return ids
+
+    # ---- decoding ------------------------------------------------------------------
+    @staticmethod
+    def ids_to_bytes(ids: Iterable[int]) -> bytes:
+        """Keep byte ids only, stopping at the first EOS; specials and tags are dropped."""
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if i == EOS:
+                break
+            if BYTE_OFFSET <= i < LANG_OFFSET:
+                out.append(i - BYTE_OFFSET)
+        return bytes(out)
+
+    def decode_counting(self, ids: Iterable[int]) -> DecodeResult:
+        return _decode_counting(self.ids_to_bytes(ids))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.decode_counting(ids).text
