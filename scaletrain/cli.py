@@ -98,7 +98,7 @@ def _dispatch(args) -> int:
             package=args.package, langs=langs, out=args.out, overwrite=args.overwrite,
             valid_frac=args.valid_frac, test_frac=args.test_frac, seed=args.seed,
         )
-        print(f"wrote {args.out}: {len(m.langs)} languages")
+        print(f"wrote {args.out}: {len(m.languages)} languages, {sum(s.n_examples for s in m.splits.values()):,} examples")
         return 0
     if args.command == "train":
         from scaletrain.config import dump_yaml, load_config

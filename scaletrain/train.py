@@ -35,6 +35,7 @@ class TrainResult:
     steps: int
     tokens: int
     valid_nll: list[tuple[int, float]]  # (step, nats per target token)
+    train_loss: list[tuple[int, float]]  # (step, label-smoothed loss per target token) at each log line
     unigram_nll: float
     train_seconds: float
     run_id: str | None
@@ -67,7 +68,7 @@ def unigram_nll(shards: str, split: str = "valid") -> float:
         b = np.frombuffer(ex.tgt, dtype=np.uint8)
         tot -= logp[b].sum() + logp[256]
         n += len(b) + 1
-    return tot / max(n, 1)
+    return float(tot / max(n, 1))
 
 
 class Trainer:
@@ -77,7 +78,7 @@ class Trainer:
         self.engine = build_engine(cfg)
         eng = self.engine
         self.manifest = load_manifest(cfg.data.shards)
-        self.vocab = ByteVocab(self.manifest.langs)
+        self.vocab = ByteVocab(self.manifest.languages)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = build_model(cfg.model, self.vocab.size)
         self.param_counts = count_parameters(model)
@@ -93,6 +94,7 @@ class Trainer:
         self.examples_seen = 0
         self.run_id: str | None = None
         self.valid_history: list[tuple[int, float]] = []
+        self.loss_history: list[tuple[int, float]] = []
         self.tracker = None
 
     # ------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ class Trainer:
                 loss_sum, nll_sum, ntok = self._loss(b)
                 eng.backward(loss_sum * scale)
                 loss_acc += float(loss_sum.detach())
-                nll_acc += float(nll_sum)
+                nll_acc += float(nll_sum.detach())
                 ntok_acc += int(ntok)
                 self.examples_seen += b.size
             info = eng.step()
@@ -229,6 +231,7 @@ class Trainer:
                     "train/grad_norm": info.grad_norm, "train/tokens_per_s": tps,
                     "train/tokens_seen": self.tokens_seen, "train/skipped_steps": float(info.skipped),
                 }
+                self.loss_history.append((self.step, metrics["train/loss"]))
                 if eng.is_main:
                     log.info(
                         "step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s | eta %s",
@@ -252,7 +255,8 @@ class Trainer:
             self.tracker.log_metrics({"train/seconds": train_seconds, "train/steps": self.step}, step=self.step)
             self.tracker.flush()
         return TrainResult(
-            steps=self.step, tokens=self.tokens_seen, valid_nll=list(self.valid_history), unigram_nll=base_nll,
+            steps=self.step, tokens=self.tokens_seen, valid_nll=list(self.valid_history),
+            train_loss=list(self.loss_history), unigram_nll=base_nll,
             train_seconds=train_seconds, run_id=self.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final),
         )
 

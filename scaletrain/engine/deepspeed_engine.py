@@ -45,6 +45,9 @@ class DeepSpeedEngine(Engine):
             dist_init_required=False,
         )
         self._engine = engine
+        # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the
+        # plain fp32 path it clips but discards the norm, so we measure it ourselves there.
+        self._own_norm = not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
 
     @property
@@ -63,11 +66,17 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss):
         self._engine.backward(loss)
+        if not self._engine.is_gradient_accumulation_boundary():
+            self._engine.step()  # DeepSpeed counts micro-steps; it only updates at the boundary
 
     def step(self) -> StepInfo:
         overflow_before = self._skipped()
+        own = None
+        if self._own_norm:
+            grads = [p.grad for p in self._engine.module.parameters() if p.grad is not None]
+            own = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         self._engine.step()
-        norm = self._engine.get_global_grad_norm()
+        norm = own if own is not None else self._engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         return StepInfo(grad_norm=norm, lr=self.lr, skipped=self._skipped() > overflow_before)
 

@@ -1,0 +1,137 @@
+"""Evaluate a checkpoint: decode every line of a split, score BLEU/chrF per direction and group.
+
+A copy-the-source baseline is scored on the same lines and printed beside the model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from scaletrain.checkpoint import atomic_write_text, load_for_inference
+from scaletrain.data.shards import load_manifest, read_split
+from scaletrain.errors import ScaletrainError
+from scaletrain.generate import translate_examples
+from scaletrain.metrics import Record, format_table, report_to_json, score_copy_baseline, score_directions
+
+log = logging.getLogger("scaletrain")
+
+
+def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None, max_lines=0, device="cpu",
+                        progress=True) -> dict:
+    model, cfg, vocab, trainer_state, ckpt = load_for_inference(path, device)
+    ec = cfg.eval
+    split = split or ec.split
+    shards = shards or cfg.data.shards
+    manifest = load_manifest(shards)
+    if manifest.languages != vocab.langs:
+        raise ScaletrainError(
+            f"{shards}: its languages {manifest.languages} differ from the model's {vocab.langs}; "
+            "evaluate on shards prepared with the same language list"
+        )
+    examples = read_split(shards, split)
+    if not examples:
+        raise ScaletrainError(f"{shards}: split '{split}' is empty")
+    if max_lines:
+        seen: dict[tuple[int, int], int] = {}
+        kept = []
+        for ex in examples:
+            k = (ex.src_lang, ex.tgt_lang)
+            if seen.get(k, 0) < max_lines:
+                kept.append(ex)
+                seen[k] = seen.get(k, 0) + 1
+        examples = kept
+    beam = beam or ec.beam
+    lenpen = ec.lenpen if lenpen is None else lenpen
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(examples), desc=f"decoding {split}", unit="sent", leave=False)
+    t0 = time.time()
+    res = translate_examples(
+        model, examples, vocab, batch_tokens=ec.batch_tokens, beam=beam, lenpen=lenpen,
+        max_len_a=ec.max_len_a, max_len_b=ec.max_len_b, progress=(bar.update if bar else None),
+    )
+    secs = time.time() - t0
+    if bar:
+        bar.close()
+    L = vocab.langs
+    refs = [ex.tgt.decode("utf-8", errors="replace") for ex in examples]
+    srcs = [ex.src.decode("utf-8", errors="replace") for ex in examples]
+    records = [
+        Record(L[ex.src_lang], L[ex.tgt_lang], hyp, ref, inv)
+        for ex, hyp, ref, inv in zip(examples, res.texts, refs, res.invalid)
+    ]
+    report = score_directions(records, pivot=ec.pivot, groups=ec.groups or None)
+    baseline = score_copy_baseline(
+        [(L[ex.src_lang], L[ex.tgt_lang], s, r) for ex, s, r in zip(examples, srcs, refs)],
+        pivot=ec.pivot, groups=ec.groups or None,
+    )
+    return {
+        "checkpoint": str(ckpt), "split": split, "shards": str(shards), "beam": beam, "lenpen": lenpen,
+        "lines": len(examples), "decode_seconds": secs, "sentences_per_s": len(examples) / max(secs, 1e-9),
+        "step": trainer_state.get("step"), "run_id": trainer_state.get("run_id"),
+        "report": report, "baseline": baseline,
+        "samples": [
+            {"direction": f"{r.src_lang}->{r.tgt_lang}", "source": s, "reference": r.reference, "hypothesis": r.hypothesis}
+            for r, s in list(zip(records, srcs))[:: max(1, len(records) // 12)][:12]
+        ],
+    }
+
+
+def result_to_json(result: dict) -> dict:
+    out = {k: v for k, v in result.items() if k not in ("report", "baseline")}
+    out["model"] = report_to_json(result["report"])
+    out["copy_baseline"] = report_to_json(result["baseline"])
+    return out
+
+
+def log_to_mlflow(result: dict) -> None:
+    run_id = result.get("run_id")
+    if not run_id:
+        return
+    from scaletrain.tracking import Tracker
+
+    tr = Tracker(uri=None, experiment="scaletrain", run_name=None, is_main=True, project_dir=Path.cwd())
+    tr.resume(run_id)
+    split = result["split"]
+    metrics = {}
+    for a in result["report"].averages:
+        key = a.name.replace("->", "2").replace(" ", "_")
+        metrics[f"{split}/bleu/{key}"] = a.bleu
+        metrics[f"{split}/chrf/{key}"] = a.chrf
+    for d in result["report"].directions:
+        metrics[f"{split}/bleu/{d.src_lang}-{d.tgt_lang}"] = d.bleu
+        metrics[f"{split}/chrf/{d.src_lang}-{d.tgt_lang}"] = d.chrf
+    for a in result["baseline"].averages:
+        if a.name == "all":
+            metrics[f"{split}/copy_baseline/bleu"] = a.bleu
+            metrics[f"{split}/copy_baseline/chrf"] = a.chrf
+    tr.log_metrics(metrics, step=int(result.get("step") or 0))
+    tr.log_dict(result_to_json(result), f"eval_{split}.json")
+    tr.end("FINISHED")
+
+
+def evaluate_cli(args) -> int:
+    result = evaluate_checkpoint(
+        args.checkpoint, split=args.split, shards=args.shards, beam=args.beam, lenpen=args.lenpen,
+        max_lines=args.max_lines, device="cuda" if torch.cuda.is_available() else "cpu",
+    )
+    print(f"checkpoint {result['checkpoint']} (step {result['step']}), split {result['split']}: "
+          f"{result['lines']} lines, beam {result['beam']}, {result['sentences_per_s']:.1f} sentences/s")
+    print(format_table(result["report"], baseline=result["baseline"]))
+    for s in result["samples"][:6]:
+        print(f"  [{s['direction']}] src: {s['source']!r}\n      ref: {s['reference']!r}\n      hyp: {s['hypothesis']!r}")
+    if args.json:
+        atomic_write_text(Path(args.json), json.dumps(result_to_json(result), indent=2, ensure_ascii=False))
+        print(f"wrote {args.json}")
+    if not args.no_track:
+        try:
+            log_to_mlflow(result)
+        except Exception as e:  # tracking must not lose an evaluation that already ran
+            log.warning("could not log evaluation to MLflow run %s: %s", result.get("run_id"), e)
+    return 0
