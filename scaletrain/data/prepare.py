@@ -1,0 +1,337 @@
+"""``prepare``: corpus -> shards + manifest (gettext catalogs; line-aligned corpora such as OPUS-100)."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from scaletrain.data.batch import Example
+from scaletrain.data.gettext import PIVOT, check_fracs, read_gettext, split_of
+from scaletrain.data.opus import opus100_corpora
+from scaletrain.data.shards import (
+    MANIFEST,
+    SPLITS,
+    BlockInfo,
+    DirectionStats,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    SplitWriter,
+    atomic_write_bytes,
+    file_sha256,
+    load_manifest,
+    prepare_out_dir,
+    shard_name,
+    write_manifest,
+)
+from scaletrain.data.text import (
+    FILTER_REASONS,
+    PairFilter,
+    ParallelCorpus,
+    check_same_lines,
+    index_lines,
+    read_pair_range,
+    read_tsv_range,
+)
+from scaletrain.errors import ScaletrainError
+
+GETTEXT_SHARD_SIZE = 2048  # examples per shard: the bundled django train set gives >= 4 train shards
+GETTEXT_BLOCK_SIZE = 256  # examples per block
+
+
+def prepare_gettext(
+    package: str = "django",
+    langs: Sequence[str] | None = None,
+    out: str | Path = "shards/django",
+    overwrite: bool = False,
+    valid_frac: float = 0.05,
+    test_frac: float = 0.05,
+    seed: int = 0,
+    shard_size: int = GETTEXT_SHARD_SIZE,
+    progress: bool = True,
+    *,
+    block_size: int = GETTEXT_BLOCK_SIZE,
+    locale_dir: str | Path | None = None,
+) -> Manifest:
+    """Read gettext catalogs, clean, split by English-string hash, write both directions to shards.
+
+    Manifest languages are ``["en", *langs]`` (the vocabulary order). The train split is shuffled
+    with ``seed`` before sharding (so every block mixes languages); valid/test keep a readable
+    order (language, then catalog order; xx->en and en->xx interleaved per pair).
+    """
+    check_fracs(valid_frac, test_frac)
+    corpus = read_gettext(package, langs, locale_dir)
+    languages = [PIVOT, *corpus.langs]
+    by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
+    split_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
+    for li, lang in enumerate(corpus.langs, start=1):
+        for en, xx in corpus.pairs[lang]:
+            s = split_of(en, valid_frac, test_frac, seed)
+            e, x = en.encode("utf-8"), xx.encode("utf-8")
+            by_split[s].append(Example(li, 0, x, e))
+            by_split[s].append(Example(0, li, e, x))
+            split_counts[s][lang] = split_counts[s].get(lang, 0) + 1
+    if not by_split["train"]:
+        raise ScaletrainError("no training pairs left after cleaning; choose more languages or another source")
+    rng = np.random.default_rng([seed, 0x5EED])
+    train = by_split["train"]
+    by_split["train"] = [train[i] for i in rng.permutation(len(train))]
+
+    out = prepare_out_dir(out, overwrite)
+    total = sum(len(v) for v in by_split.values())
+    bar = tqdm(total=total, desc=f"prepare {out}", unit="ex", disable=not progress)
+    splits = {}
+    for s in SPLITS:
+        if not by_split[s]:
+            continue
+        w = SplitWriter(out, s, languages, shard_size=shard_size, block_size=block_size,
+                        on_shard=lambda sh: bar.update(sh.n_examples))
+        w.add_all(by_split[s])
+        splits[s] = w.close()
+    bar.close()
+    cleaning = {
+        "rules": "scaletrain.data.gettext (see module doc)",
+        "total": corpus.total_counters(),
+        "per_lang": corpus.counters,
+        "pairs_per_split": split_counts,
+    }
+    params = {
+        "valid_frac": valid_frac,
+        "test_frac": test_frac,
+        "seed": seed,
+        "shard_size": shard_size,
+        "block_size": block_size,
+        "directions": "both (xx-en and en-xx)",
+    }
+    manifest = Manifest(languages=languages, splits=splits, cleaning=cleaning, source=corpus.source, params=params)
+    write_manifest(out, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# line-aligned corpora (Moses file pairs, TSV, OPUS-100): streaming, parallel, resumable
+# ---------------------------------------------------------------------------------------------
+PARALLEL_SHARD_LINES = 50_000  # input lines per shard (x2 examples with both directions)
+PARALLEL_BLOCK_SIZE = 1024
+STATE_DIR = ".prepare"  # per-shard completion records while a prepare runs; removed at the end
+
+
+def _vocab_order(corpora: Sequence[ParallelCorpus]) -> list[str]:
+    langs = {l for c in corpora for l in (c.src_lang, c.tgt_lang)}
+    return ([PIVOT] if PIVOT in langs else []) + sorted(langs - {PIVOT})
+
+
+def _index_corpus(c: ParallelCorpus, every: int) -> tuple[int, list[tuple[int, int]]]:
+    """(n_lines, [(src_offset, tgt_offset)] per range); line-count mismatch -> ScaletrainError."""
+    if c.tsv_path is not None:
+        ix = index_lines(c.tsv_path, every)
+        return ix.n_lines, [(o, o) for o in ix.offsets]
+    a, b = index_lines(c.src_path, every), index_lines(c.tgt_path, every)
+    check_same_lines(a, b)
+    return a.n_lines, list(zip(a.offsets, b.offsets))
+
+
+def _run_task(task: dict) -> dict:
+    """Read one line range, filter, write one shard (if anything survives) and its completion record."""
+    c = ParallelCorpus(**task["corpus"])
+    flt = PairFilter(task["max_bytes"], task["max_ratio"])
+    si, ti = task["src_idx"], task["tgt_idx"]
+    so, to, n = task["src_off"], task["tgt_off"], task["n_lines"]
+    pairs = read_tsv_range(c.tsv_path, so, n) if c.tsv_path else read_pair_range(c.src_path, c.tgt_path, so, to, n)
+    counters = Counter({k: 0 for k in ("lines", "kept", *FILTER_REASONS)})
+    out = Path(task["out"])
+    w = SplitWriter(out, c.split, task["languages"], shard_size=1 << 62, block_size=task["block_size"],
+                    first_index=task["index"])
+    for pair in pairs:
+        counters["lines"] += 1
+        reason, src, tgt = flt(pair)
+        if reason is not None:
+            counters[reason] += 1
+            continue
+        counters["kept"] += 1
+        w.add(Example(si, ti, src, tgt))
+        if task["both"]:
+            w.add(Example(ti, si, tgt, src))
+    if counters["lines"] != n:
+        raise ScaletrainError(f"{c.src_path or c.tsv_path}: file changed while preparing (read {counters['lines']} "
+                              f"of {n} lines at byte {so})")
+    info = w.close()
+    rec = {
+        "index": task["index"],
+        "split": c.split,
+        "corpus": c.name,
+        "shard": asdict(info.shards[0]) if info.shards else None,
+        "counters": dict(counters),
+        "directions": {k: asdict(v) for k, v in info.directions.items()},
+    }
+    atomic_write_bytes(out / STATE_DIR / f"{task['split_key']}.json", json.dumps(rec).encode())
+    return rec
+
+
+def _record_if_complete(out: Path, task: dict) -> dict | None:
+    """The completion record of a task whose shard is on disk with the recorded checksum."""
+    p = out / STATE_DIR / f"{task['split_key']}.json"
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    sh = rec.get("shard")
+    if sh is None:
+        return rec
+    f = out / sh["name"]
+    try:
+        if f.stat().st_size != sh["bytes"] or file_sha256(f) != sh["sha256"]:
+            return None
+    except OSError:
+        return None
+    return rec
+
+
+def prepare_parallel(
+    corpora: Sequence[ParallelCorpus],
+    out: str | Path,
+    *,
+    languages: Sequence[str] | None = None,
+    both_directions: bool = True,
+    max_bytes: int = 800,
+    max_ratio: float | None = None,
+    shard_lines: int = PARALLEL_SHARD_LINES,
+    block_size: int = PARALLEL_BLOCK_SIZE,
+    workers: int = 1,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: bool = True,
+    source: dict | None = None,
+) -> Manifest:
+    """Line-aligned corpora -> shards + manifest, streaming, in ``workers`` processes.
+
+    Every ``shard_lines`` input lines of a corpus become one shard (numbered per split in corpus
+    order, so names do not depend on scheduling; a range whose lines are all filtered out leaves a
+    gap in the numbers). Blocks hold one language pair (both directions interleaved); the stream
+    mixes blocks. ``resume=True`` continues an interrupted run in the same directory: shards whose
+    completion record and sha256 match are kept, the rest are redone.
+    """
+    if not corpora:
+        raise ScaletrainError("no corpora given")
+    if shard_lines < 1 or workers < 1:
+        raise ScaletrainError(f"shard_lines ({shard_lines}) and workers ({workers}) must be >= 1")
+    PairFilter(max_bytes, max_ratio)  # validates
+    languages = list(languages) if languages is not None else _vocab_order(corpora)
+    lang_idx = {l: i for i, l in enumerate(languages)}
+    for c in corpora:
+        for l in (c.src_lang, c.tgt_lang):
+            if l not in lang_idx:
+                raise ScaletrainError(f"corpus {c.name}: language {l!r} is not in languages {languages}")
+    if not any(c.split == "train" for c in corpora):
+        raise ScaletrainError("no train corpus given")
+    out = Path(out)
+    state = out / STATE_DIR
+    if resume and (out / MANIFEST).is_file() and not state.exists():
+        return load_manifest(out)  # already complete
+    params = {"both_directions": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio,
+              "shard_lines": shard_lines, "block_size": block_size}
+    if not (resume and state.is_dir()):
+        if state.is_dir() and not overwrite:
+            raise ScaletrainError(f"{out} holds an interrupted prepare; pass resume=True (--resume) to continue it "
+                                  "or overwrite=True (--overwrite) to start again")
+        if overwrite and state.is_dir():
+            shutil.rmtree(state)
+        prepare_out_dir(out, overwrite)
+        state.mkdir()
+    elif (out / MANIFEST).exists():
+        (out / MANIFEST).unlink()
+
+    # plan: index every corpus (one streaming pass), cut into line ranges
+    tasks = []
+    next_index = {s: 0 for s in SPLITS}
+    for c in tqdm(corpora, desc="index corpora", unit="corpus", disable=not progress):
+        n, offs = _index_corpus(c, shard_lines)
+        for k, (so, to) in enumerate(offs if n else []):
+            i = next_index[c.split]
+            next_index[c.split] += 1
+            tasks.append({
+                "corpus": asdict(c), "src_idx": lang_idx[c.src_lang], "tgt_idx": lang_idx[c.tgt_lang],
+                "src_off": so, "tgt_off": to, "n_lines": min(shard_lines, n - k * shard_lines),
+                "index": i, "split_key": shard_name(c.split, i)[:-4], "out": str(out), "languages": languages,
+                "both": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio, "block_size": block_size,
+            })
+    plan_keys = ("corpus", "src_off", "tgt_off", "n_lines", "index")
+    plan = {"languages": languages, "params": params, "tasks": [{k: t[k] for k in plan_keys} for t in tasks]}
+    plan_path = state / "plan.json"
+    if plan_path.is_file():
+        if json.loads(plan_path.read_text()) != json.loads(json.dumps(plan)):
+            raise ScaletrainError(f"{out}: the interrupted prepare used other inputs or settings; "
+                                  "rerun with overwrite=True (--overwrite) instead of resume")
+    else:
+        atomic_write_bytes(plan_path, json.dumps(plan).encode())
+
+    records: dict[str, dict] = {}
+    todo = []
+    for t in tasks:
+        rec = _record_if_complete(out, t) if resume else None
+        if rec is not None:
+            records[t["split_key"]] = rec
+        else:
+            todo.append(t)
+    bar = tqdm(total=sum(t["n_lines"] for t in tasks), desc=f"prepare {out}", unit="line", disable=not progress)
+    bar.update(sum(r["counters"]["lines"] for r in records.values()))
+    if workers == 1 or len(todo) <= 1:
+        for t in todo:
+            rec = _run_task(t)
+            records[t["split_key"]] = rec
+            bar.update(rec["counters"]["lines"])
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as ex:
+            futs = [ex.submit(_run_task, t) for t in todo]
+            for f in as_completed(futs):
+                rec = f.result()
+                records[f"{rec['split']}-{rec['index']:06d}"] = rec
+                bar.update(rec["counters"]["lines"])
+    bar.close()
+
+    # assemble the manifest in shard order
+    splits: dict[str, SplitInfo] = {}
+    per_corpus: dict[str, Counter] = {}
+    for t in tasks:
+        rec = records[t["split_key"]]
+        per_corpus.setdefault(rec["corpus"], Counter()).update(rec["counters"])
+        si = splits.setdefault(rec["split"], SplitInfo(0, [], {}))
+        if rec["shard"] is not None:
+            sh = rec["shard"]
+            si.shards.append(ShardInfo(sh["name"], sh["sha256"], sh["bytes"], sh["n_examples"], sh["n_blocks"],
+                                       [BlockInfo(**b) for b in sh["blocks"]]))
+            si.n_examples += sh["n_examples"]
+        for k, v in rec["directions"].items():
+            d = si.directions.setdefault(k, DirectionStats())
+            d.n += v["n"]
+            d.src_bytes += v["src_bytes"]
+            d.tgt_bytes += v["tgt_bytes"]
+    splits = {s: splits[s] for s in SPLITS if s in splits}
+    for si in splits.values():
+        si.directions = dict(sorted(si.directions.items()))
+    if "train" not in splits or not splits["train"].shards:
+        raise ScaletrainError("no training pairs left after filtering; check the corpus files and filters")
+    total: Counter = Counter()
+    for c in per_corpus.values():
+        total.update(c)
+    cleaning = {"rules": "scaletrain.data.text.PairFilter", "total": dict(total),
+                "per_corpus": {k: dict(v) for k, v in per_corpus.items()}}
+    src = dict(source or {"type": "parallel"})
+    src["corpora"] = [asdict(c) for c in corpora]
+    manifest = Manifest(languages=languages, splits=splits, cleaning=cleaning, source=src, params=params)
+    write_manifest(out, manifest)
+    shutil.rmtree(state, ignore_errors=True)
+    return manifest
+
+
+def prepare_opus100(root: str | Path, out: str | Path, *, langs: Sequence[str] | None = None, **kwargs) -> Manifest:
+    """OPUS-100 (``opus-100-corpus/v1.0/supervised``) -> shards; kwargs as ``prepare_parallel``."""
+    corpora, source = opus100_corpora(root, langs)
+    return prepare_parallel(corpora, out, source=source, **kwargs)

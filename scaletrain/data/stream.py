@@ -1,0 +1,433 @@
+"""The training stream: shards -> token-budget batches, split across ranks, exactly resumable.
+
+How an epoch is laid out (every rank computes the same plan, no communication needed):
+
+1. The split's blocks (all shards, manifest order) are permuted with an RNG seeded by
+   ``(seed, epoch)``. Ranks split the data at *block* granularity, whatever the number of shards.
+2. The permuted list is cut into ``ceil(n_blocks / (buffer_size * world_size))`` *windows* of
+   (nearly) equal numbers of blocks (so no small tail window); inside a window the blocks are
+   dealt to ranks biggest first, each to the rank with the fewest examples so far (equal-size
+   blocks go round robin), so example counts stay balanced.
+3. Each rank reads its own blocks fully, and only the length arrays (first ``12 + 12 n`` bytes) of
+   the other ranks' blocks. For every rank of the window it computes the same batch plan:
+   shuffle the examples (RNG seeded by ``(seed, epoch, window, rank)``), sort them by padded length
+   (key: the longer side, then the sum; stable, so ties stay shuffled), cut greedy batches with
+   ``B * (S + T) <= max_tokens`` where S and T are the padded source/target lengths
+   (``Batch.padded_tokens``), then shuffle the batch order.
+4. Equal batch counts: every rank of a window ends with ``max`` of the counts. A rank with fewer
+   batches splits its largest batches in two (halves still fit the budget, no example is lost or
+   repeated). Only when a rank has fewer examples than the target count (a split with fewer
+   blocks than ranks, or ``buffer_size=1``) are batches repeated (its own, else those of the first
+   rank with data); those repeats are the only duplicates an epoch can contain. With ``drop_last=True`` every rank
+   instead keeps ``min`` of the counts and drops its surplus batches.
+5. State is ``(epoch, window, batch index within the window)``; resume re-plans one window.
+
+Language-pair temperature (``temperature=T``): direction d with n_d examples is drawn with
+probability p_d ∝ n_d^(1/T). Each example of d is repeated ``w_d = p_d N / n_d`` times in
+expectation (stochastic rounding, RNG seeded by ``(seed, epoch, window, rank)``), so an epoch still
+holds about N examples: low-resource directions are upsampled, high-resource ones subsampled
+(different examples each epoch). T=1 (default) reads every example exactly once per epoch.
+
+DataLoader workers (``ShardLoader``): each (rank, worker) is one slot of a stream with
+``world_size * num_workers`` slots; the state records every worker's position, so resume is exact.
+
+Examples longer than ``max_bytes`` are truncated by ``collate`` (never dropped); ``max_tokens``
+must fit one such example: ``max_tokens >= 2 * max_bytes + 3``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from scaletrain.data.batch import Batch, Example, collate
+from scaletrain.data.shards import load_manifest, read_block
+from scaletrain.errors import ScaletrainError
+
+STATE_VERSION = 1
+
+
+def plan_batches(
+    src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, rng: np.random.Generator | None
+) -> list[np.ndarray]:
+    """Bucket by length and cut token-budget batches; returns arrays of example indices.
+
+    ``src_len`` / ``tgt_len`` are padded lengths (with tag/EOS). ``rng=None``: no shuffling.
+    """
+    n = int(src_len.shape[0])
+    if n == 0:
+        return []
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    s = src_len[order].astype(np.int64)
+    t = tgt_len[order].astype(np.int64)
+    key = np.lexsort((s + t, np.maximum(s, t)))  # stable: ties keep the shuffled order
+    order, s, t = order[key], s[key].tolist(), t[key].tolist()
+    bounds = [0]
+    ms = mt = 0
+    count = 0
+    for i in range(n):
+        ns, nt = max(ms, s[i]), max(mt, t[i])
+        if count and (count + 1) * (ns + nt) > max_tokens:
+            bounds.append(i)
+            ms, mt, count = s[i], t[i], 1
+        else:
+            ms, mt, count = ns, nt, count + 1
+    bounds.append(n)
+    batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def equalise(batches: list[np.ndarray], target: int) -> list[np.ndarray]:
+    """Split the largest batches (first one on ties) until there are ``target`` batches, if possible."""
+    batches = list(batches)
+    while len(batches) < target:
+        sizes = [len(b) for b in batches]
+        if not sizes or max(sizes) < 2:
+            break
+        i = int(np.argmax(sizes))
+        b = batches[i]
+        k = len(b) // 2
+        batches[i : i + 1] = [b[:k], b[k:]]
+    return batches
+
+
+@dataclass
+class _WindowPlan:
+    epoch: int
+    window: int
+    batches: list  # list of (source slot, index array): the slot's examples they index
+    pools: dict  # slot -> (list[PairBlock], starts ndarray)
+
+    def examples(self, item) -> list[Example]:
+        slot, idx = item
+        blocks, starts = self.pools[slot]
+        bi = np.searchsorted(starts, idx, side="right") - 1
+        return [blocks[b].example(int(i - starts[b])) for b, i in zip(bi.tolist(), idx.tolist())]
+
+
+class ShardStream:
+    """Iterable of ``Batch`` over one split of a shard directory; see the module doc."""
+
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        split: str = "train",
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        max_tokens: int = 4096,
+        max_bytes: int = 256,
+        buffer_size: int = 16,
+        epochs: int | None = None,
+        drop_last: bool = False,
+        shuffle: bool = True,
+        temperature: float = 1.0,
+    ):
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
+        if max_bytes < 1:
+            raise ScaletrainError(f"max_bytes must be >= 1 (got {max_bytes})")
+        if max_tokens < 2 * max_bytes + 3:
+            raise ScaletrainError(
+                f"max_tokens={max_tokens} cannot hold one example of max_bytes={max_bytes} "
+                f"(needs 2*max_bytes+3 = {2 * max_bytes + 3}); raise max_tokens or lower max_bytes"
+            )
+        if buffer_size < 1:
+            raise ScaletrainError(f"buffer_size (blocks per rank and window) must be >= 1 (got {buffer_size})")
+        if not temperature > 0:
+            raise ScaletrainError(f"temperature must be > 0 (got {temperature}); 1 = natural proportions")
+        if epochs is not None and epochs < 0:
+            raise ScaletrainError(f"epochs must be >= 0 or None (got {epochs})")
+        self.shard_dir = Path(shard_dir)
+        self.manifest = load_manifest(shard_dir)
+        self.split = split
+        info = self.manifest.split(split)
+        self.blocks = [(sh, b) for sh in info.shards for b in sh.blocks]
+        if not self.blocks:
+            raise ScaletrainError(f"split {split!r} of {shard_dir} has no examples")
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.max_tokens, self.max_bytes = seed, max_tokens, max_bytes
+        self.buffer_size, self.epochs, self.drop_last, self.shuffle = buffer_size, epochs, drop_last, shuffle
+        self.temperature = float(temperature)
+        self._weights = self._direction_weights()
+        self.n_windows = -(-len(self.blocks) // (buffer_size * world_size))
+        self._epoch = self._window = self._batch = 0
+        self._plan: _WindowPlan | None = None
+
+    # ---- plan ------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _block_order(self, epoch: int) -> np.ndarray:
+        n = len(self.blocks)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch, 0xB10C]).permutation(n)
+
+    def _slot_blocks(self, epoch: int, window: int) -> list[list[int]]:
+        n, nw = len(self.blocks), self.n_windows
+        chunk = self._block_order(epoch)[window * n // nw : (window + 1) * n // nw].tolist()
+        # balance example counts: biggest block first to the slot with the fewest examples so far
+        # (equal-size blocks simply go round robin); ties keep the permuted order, and the slot that
+        # wins a tie rotates with the window so no rank systematically gets the extra block
+        sizes = [self.blocks[i][1].n for i in chunk]
+        S = self.world_size
+        slots: list[list[int]] = [[] for _ in range(S)]
+        load = [0] * S
+        first = (epoch * nw + window) % S
+        for j in sorted(range(len(chunk)), key=lambda j: -sizes[j]):
+            s = min(range(S), key=lambda s: (load[s], (s - first) % S))
+            slots[s].append(chunk[j])
+            load[s] += sizes[j]
+        return slots
+
+    def _read(self, block_ids: list[int], lengths_only: bool):
+        return [read_block(self.shard_dir, *self.blocks[i], lengths_only=lengths_only) for i in block_ids]
+
+    def _lengths(self, blocks) -> tuple[np.ndarray, np.ndarray]:
+        if not blocks:
+            z = np.zeros(0, np.int64)
+            return z, z
+        mb = self.max_bytes
+        s = np.concatenate([np.minimum(b.src_len.astype(np.int64), mb) + 2 for b in blocks])
+        t = np.concatenate([np.minimum(b.tgt_len.astype(np.int64), mb) + 1 for b in blocks])
+        return s, t
+
+    def _slot_rng(self, epoch: int, window: int, slot: int):
+        return np.random.default_rng([self.seed, epoch, window, slot]) if self.shuffle else None
+
+    def _direction_weights(self) -> np.ndarray | None:
+        """Per-example repeat weight of each direction (index src * L + tgt): p_d * N / n_d."""
+        if self.temperature == 1.0:
+            return None
+        langs = self.manifest.languages
+        L = len(langs)
+        index = {f"{a}-{b}": i * L + j for i, a in enumerate(langs) for j, b in enumerate(langs)}
+        dirs = {index[k]: v.n for k, v in self.manifest.split(self.split).directions.items() if v.n > 0}
+        keys = np.array(sorted(dirs))
+        n = np.array([dirs[k] for k in keys], dtype=np.float64)
+        p = n ** (1.0 / self.temperature)
+        p /= p.sum()
+        w = np.zeros(L * L)
+        w[keys] = p * n.sum() / n
+        return w
+
+    def _slot_batches(self, blocks, epoch: int, window: int, slot: int) -> list[np.ndarray]:
+        """Batch plan of one slot: arrays of indices into the slot's examples (repeats if upsampled)."""
+        s_len, t_len = self._lengths(blocks)
+        rng = self._slot_rng(epoch, window, slot)
+        if self._weights is None or not blocks:
+            return plan_batches(s_len, t_len, self.max_tokens, rng)
+        L = len(self.manifest.languages)
+        d = np.concatenate([b.src_lang.astype(np.int64) * L + b.tgt_lang for b in blocks])
+        w = self._weights[d]
+        u = np.random.default_rng([self.seed, epoch, window, slot, 0x7E3]).random(len(w))
+        reps = np.floor(w).astype(np.int64) + (u < w - np.floor(w))
+        idx = np.repeat(np.arange(len(w)), reps)
+        return [idx[b] for b in plan_batches(s_len[idx], t_len[idx], self.max_tokens, rng)]
+
+    def _make_plan(self, epoch: int, window: int) -> _WindowPlan:
+        slots = self._slot_blocks(epoch, window)
+        me = self.rank
+        pools: dict = {}
+        plans = []
+        for s, ids in enumerate(slots):
+            blocks = self._read(ids, lengths_only=(s != me))
+            if s == me:
+                starts = np.cumsum([0] + [len(b) for b in blocks])
+                pools[me] = (blocks, starts)
+            plans.append(self._slot_batches(blocks, epoch, window, s))
+        counts = [len(p) for p in plans]
+        target = min(counts) if self.drop_last else max(counts)
+        mine = [(me, b) for b in equalise(plans[me], target)[:target]]
+        if len(mine) < target:  # fewer examples than batches needed: repeat batches (documented)
+            donor = me if plans[me] else next(s for s, p in enumerate(plans) if p)
+            if donor not in pools:
+                blocks = self._read(slots[donor], lengths_only=False)
+                pools[donor] = (blocks, np.cumsum([0] + [len(b) for b in blocks]))
+            src = list(mine) if donor == me else [(donor, b) for b in plans[donor]]
+            i = 0
+            while len(mine) < target:
+                mine.append(src[i % len(src)])
+                i += 1
+        return _WindowPlan(epoch, window, mine, pools)
+
+    def _get_plan(self) -> _WindowPlan:
+        p = self._plan
+        if p is None or p.epoch != self._epoch or p.window != self._window:
+            p = self._plan = self._make_plan(self._epoch, self._window)
+        return p
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        """Yield batches from the current state on; finite ``epochs`` end the iteration."""
+        empty_windows = 0
+        while self.epochs is None or self._epoch < self.epochs:
+            plan = self._get_plan()
+            if self._batch < len(plan.batches):
+                empty_windows = 0
+                item = plan.batches[self._batch]
+                batch = collate(plan.examples(item), self.max_bytes)
+                self._advance(len(plan.batches))
+                yield batch
+            else:
+                empty_windows += 1
+                if empty_windows >= self.n_windows:
+                    raise ScaletrainError(
+                        f"an epoch of split {self.split!r} gives no batches on rank {self.rank} "
+                        f"(drop_last with {len(self.blocks)} blocks for {self.world_size} ranks?)"
+                    )
+                self._advance(0)
+
+    def _advance(self, n_batches: int) -> None:
+        self._batch += 1
+        if self._batch >= n_batches:
+            self._batch = 0
+            self._window += 1
+            if self._window >= self.n_windows:
+                self._window = 0
+                self._epoch += 1
+
+    def batches_per_epoch(self, epoch: int | None = None) -> int:
+        """Batches every rank yields in ``epoch`` (default: the current one); reads all length arrays."""
+        epoch = self._epoch if epoch is None else epoch
+        total = 0
+        for w in range(self.n_windows):
+            counts = []
+            for s, ids in enumerate(self._slot_blocks(epoch, w)):
+                counts.append(len(self._slot_batches(self._read(ids, lengths_only=True), epoch, w, s)))
+            total += min(counts) if self.drop_last else max(counts)
+        return total
+
+    # ---- state -------------------------------------------------------------------------------
+    def _config(self) -> dict:
+        return {
+            "split": self.split,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "max_bytes": self.max_bytes,
+            "buffer_size": self.buffer_size,
+            "drop_last": self.drop_last,
+            "shuffle": self.shuffle,
+            "temperature": self.temperature,
+            "n_blocks": len(self.blocks),
+        }
+
+    def state_dict(self) -> dict:
+        """Small and JSON-able; identical on every rank (ranks move in lockstep)."""
+        return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window, "batch": self._batch,
+                "config": self._config()}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            version, cfg = state["version"], state["config"]
+            epoch, window, batch = int(state["epoch"]), int(state["window"]), int(state["batch"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ScaletrainError(f"invalid data-stream state ({type(e).__name__}: {e})") from None
+        if version != STATE_VERSION:
+            raise ScaletrainError(f"data-stream state version {version}; this scaletrain reads {STATE_VERSION}")
+        mine = self._config()
+        diff = {k: (cfg.get(k), v) for k, v in mine.items() if cfg.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r} now {b!r}" for k, (a, b) in diff.items())
+            raise ScaletrainError(f"cannot resume the data stream exactly, settings changed ({detail})")
+        if not (0 <= window < self.n_windows) or batch < 0 or epoch < 0:
+            raise ScaletrainError(f"data-stream state out of range: epoch {epoch}, window {window}, batch {batch}")
+        self._epoch, self._window, self._batch = epoch, window, batch
+
+
+# ---------------------------------------------------------------------------------------------
+# dataloader workers
+# ---------------------------------------------------------------------------------------------
+class _SlotDataset(torch.utils.data.IterableDataset):
+    """What a DataLoader worker runs: the ShardStream of one virtual slot, tagged with positions."""
+
+    def __init__(self, loader: "ShardLoader"):
+        super().__init__()
+        self.args = loader._stream_args
+        self.rank, self.world_size, self.nw = loader.rank, loader.world_size, loader.nw
+        self.positions, self.next = list(loader._positions), loader._next
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        i = info.id if info is not None else 0
+        v = (self.next + i) % self.nw
+        s = ShardStream(*self.args[0], rank=self.rank * self.nw + v, world_size=self.world_size * self.nw,
+                        **self.args[1])
+        if self.positions[v] is not None:
+            s.load_state_dict(self.positions[v])
+        for batch in s:
+            yield v, s.state_dict(), batch
+
+
+class ShardLoader:
+    """``ShardStream`` served by ``num_workers`` DataLoader worker processes, exactly resumable.
+
+    Each (rank, worker) pair is one slot of a ShardStream with ``world_size * num_workers`` slots,
+    so workers split the rank's data at block granularity and every slot yields the same number
+    of batches per window. The DataLoader takes batches round robin from its workers; worker ``i``
+    plays virtual worker ``(next + i) % num_workers``, where ``next`` is the one whose batch is due,
+    so a resumed loader continues the same sequence. The state is each virtual worker's stream
+    position plus ``next``. ``num_workers=0`` iterates in this process (same batches as
+    ``ShardStream``).
+    """
+
+    def __init__(self, shard_dir: str | Path, split: str = "train", *, rank: int = 0, world_size: int = 1,
+                 num_workers: int = 0, prefetch_factor: int = 2, **stream_kwargs):
+        if num_workers < 0:
+            raise ScaletrainError(f"num_workers must be >= 0 (got {num_workers})")
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
+        self.nw = max(1, num_workers)
+        self.prefetch_factor = prefetch_factor
+        self._stream_args = ((shard_dir, split), stream_kwargs)
+        # validate the settings here (bad input -> ScaletrainError in the main process)
+        ShardStream(shard_dir, split, rank=rank * self.nw, world_size=world_size * self.nw, **stream_kwargs)
+        self._positions: list[dict | None] = [None] * self.nw
+        self._next = 0
+
+    @property
+    def epoch(self) -> int:
+        pos = self._positions[self._next]
+        return 0 if pos is None else int(pos["epoch"])
+
+    def __iter__(self) -> Iterator[Batch]:
+        ds = _SlotDataset(self)
+        if self.num_workers == 0:
+            it = iter(ds)
+        else:
+            it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                                                  prefetch_factor=self.prefetch_factor))
+        for v, pos, batch in it:
+            self._positions[v] = pos
+            self._next = (v + 1) % self.nw
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "num_workers": self.nw, "next": self._next,
+                "positions": [None if p is None else dict(p) for p in self._positions]}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            nw, nxt, positions = int(state["num_workers"]), int(state["next"]), list(state["positions"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ScaletrainError(f"invalid data-loader state ({type(e).__name__}: {e})") from None
+        if nw != self.nw or len(positions) != nw or not (0 <= nxt < nw):
+            raise ScaletrainError(
+                f"cannot resume the data loader exactly: saved with {nw} worker slot(s), now {self.nw}; "
+                "use the same data.num_workers as the run that saved the checkpoint"
+            )
+        for v, p in enumerate(positions):  # validates each position against the current settings
+            if p is not None:
+                (a, kw) = self._stream_args
+                ShardStream(*a, rank=self.rank * nw + v, world_size=self.world_size * nw, **kw).load_state_dict(p)
+        self._positions, self._next = positions, nxt

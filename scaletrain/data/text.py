@@ -1,0 +1,152 @@
+"""Line-aligned parallel text: Moses-style file pairs (``corpus.de`` / ``corpus.en``) and TSV.
+
+Everything streams: files are read line by line in binary (never a whole corpus in memory).
+A cheap first pass (``index_lines``) counts lines with numpy and records the byte offset of every
+``every``-th line, so the work can be cut into independent line ranges (one output shard each)
+that worker processes read with one seek.
+
+Filtering (``PairFilter``), per pair, first rule that fires is counted:
+    ``malformed``     TSV line without exactly one tab
+    ``invalid_utf8``  either side is not valid UTF-8
+    ``empty``         either side empty after stripping surrounding whitespace
+    ``too_long``      either side longer than ``max_bytes`` (default 800) bytes
+    ``ratio``         ``max_ratio`` set and longer/shorter byte length above it
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from scaletrain.errors import ScaletrainError
+
+FILTER_REASONS = ("malformed", "invalid_utf8", "empty", "too_long", "ratio")
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class LineIndex:
+    path: str
+    n_lines: int
+    offsets: tuple[int, ...]  # byte offset of lines 0, every, 2*every, ...
+    every: int
+
+
+def index_lines(path: str | Path, every: int) -> LineIndex:
+    """Count lines (a final line without newline counts) and record every ``every``-th line start."""
+    path = Path(path)
+    offsets = [0]
+    n = 0
+    pos = 0
+    last = b"\n"
+    try:
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(_CHUNK)
+                if not chunk:
+                    break
+                nl = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
+                # line numbers that start right after each newline: n+1, n+2, ...
+                starts = np.arange(n + 1, n + 1 + len(nl))
+                pick = nl[starts % every == 0]
+                offsets.extend((pos + pick + 1).tolist())
+                n += len(nl)
+                pos += len(chunk)
+                last = chunk[-1:]
+    except OSError as e:
+        raise ScaletrainError(f"cannot read {path}: {e}") from None
+    if pos and last != b"\n":
+        n += 1  # unterminated last line
+    if offsets and offsets[-1] >= pos and len(offsets) > 1:
+        offsets.pop()  # a newline at EOF does not start a line
+    if n == 0:
+        offsets = [0]
+    return LineIndex(str(path), n, tuple(offsets), every)
+
+
+def check_same_lines(a: LineIndex, b: LineIndex) -> None:
+    if a.n_lines != b.n_lines:
+        raise ScaletrainError(
+            f"line counts differ: {a.path} has {a.n_lines:,} lines, {b.path} has {b.n_lines:,}; "
+            "parallel files must be line aligned"
+        )
+
+
+def read_lines(path: str | Path, offset: int, n: int) -> Iterator[bytes]:
+    """``n`` raw lines (without the newline) starting at byte ``offset``."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for _ in range(n):
+            line = f.readline()
+            if not line:
+                return
+            yield line[:-1] if line.endswith(b"\n") else line
+
+
+def read_pair_range(src_path, tgt_path, src_off: int, tgt_off: int, n: int) -> Iterator[tuple[bytes, bytes] | None]:
+    yield from zip(read_lines(src_path, src_off, n), read_lines(tgt_path, tgt_off, n))
+
+
+def read_tsv_range(path, off: int, n: int) -> Iterator[tuple[bytes, bytes] | None]:
+    """(src, tgt) per line, ``None`` for a malformed line (not exactly two columns)."""
+    for line in read_lines(path, off, n):
+        parts = line.split(b"\t")
+        yield (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+@dataclass(frozen=True)
+class PairFilter:
+    max_bytes: int = 800
+    max_ratio: float | None = None
+
+    def __post_init__(self):
+        if self.max_bytes < 1:
+            raise ScaletrainError(f"max_bytes filter must be >= 1 (got {self.max_bytes})")
+        if self.max_ratio is not None and self.max_ratio < 1:
+            raise ScaletrainError(f"max_ratio filter must be >= 1 (got {self.max_ratio})")
+
+    def __call__(self, pair: tuple[bytes, bytes] | None) -> tuple[str | None, bytes, bytes]:
+        """(reason or None if kept, src, tgt) with surrounding whitespace stripped."""
+        if pair is None:
+            return "malformed", b"", b""
+        src, tgt = pair
+        try:
+            src = src.decode("utf-8").strip().encode("utf-8")
+            tgt = tgt.decode("utf-8").strip().encode("utf-8")
+        except UnicodeDecodeError:
+            return "invalid_utf8", b"", b""
+        if not src or not tgt:
+            return "empty", src, tgt
+        ls, lt = len(src), len(tgt)
+        if ls > self.max_bytes or lt > self.max_bytes:
+            return "too_long", src, tgt
+        if self.max_ratio is not None and max(ls, lt) / min(ls, lt) > self.max_ratio:
+            return "ratio", src, tgt
+        return None, src, tgt
+
+
+@dataclass(frozen=True)
+class ParallelCorpus:
+    """One line-aligned corpus of one split: a file pair or a TSV file (src<TAB>tgt)."""
+
+    split: str
+    src_lang: str
+    tgt_lang: str
+    src_path: str | None = None
+    tgt_path: str | None = None
+    tsv_path: str | None = None
+
+    def __post_init__(self):
+        if self.split not in ("train", "valid", "test"):
+            raise ScaletrainError(f"split must be train, valid or test (got {self.split!r})")
+        if (self.tsv_path is None) == (self.src_path is None or self.tgt_path is None):
+            raise ScaletrainError("give either tsv_path or both src_path and tgt_path")
+        for p in (self.src_path, self.tgt_path, self.tsv_path):
+            if p is not None and not Path(p).is_file():
+                raise ScaletrainError(f"corpus file {p} does not exist")
+
+    @property
+    def name(self) -> str:
+        return f"{self.split}:{self.src_lang}-{self.tgt_lang}"
