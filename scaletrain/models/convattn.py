@@ -1,0 +1,333 @@
+"""Convolutional self-attention variants for the encoder (MODELS.md sections 5, 6; pitfalls section 8).
+
+- ``msc``:  MSC, a fixed kernel per head-chunk of the layer *input*, before the Q/K/V projections.
+- ``msha``: MSHA, a fixed kernel per head, applied to that head's projected q, k and v.
+- ``moce``: Ada-MSHA / MoCE, per token and head a top-k mixture of experts {identity, Conv k=1,3,..}
+  applied to q, k and v; one expert bank and one router per layer, shared by heads and by Q/K/V.
+
+Each is a ``SelfAttention`` subclass plugged into the chosen encoder layers (``model.conv_layers``)
+through the core's ``encoder_self_attn`` factory. Extra weights live under ``.variant.`` so
+``count_parameters`` can report them.
+
+Intended behaviour, not the reference's bugs: pad positions are zeroed before every convolution
+(sentence edges act as zero padding, so outputs do not depend on the batch), top-k is clamped to
+the number of experts, there is no host sync and no Python randomness in routing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.errors import ScaletrainError
+from scaletrain.models.config import ModelConfig
+from scaletrain.models.registry import register_model
+from scaletrain.models.transformer import EncoderContext, SelfAttention, Transformer
+from scaletrain.vocab import LANG_OFFSET, PAD
+
+
+def _check_kernels(kernels, key: str = "conv_kernels") -> list[int]:
+    ks = list(kernels)
+    if not ks:
+        raise ScaletrainError(f"model.{key}: give at least one kernel size (0 = identity)")
+    for k in ks:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or (k > 0 and k % 2 == 0):
+            raise ScaletrainError(
+                f"model.{key}: kernel sizes must be 0 (identity) or odd positive integers, got {k!r} in {ks}"
+            )
+    return ks
+
+
+def _conv_init(weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """PyTorch's Conv1d default initialisation (the reference keeps it)."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    fan_in = weight.shape[1] * weight.shape[2]
+    bound = 1 / math.sqrt(fan_in)
+    nn.init.uniform_(bias, -bound, bound)
+
+
+def zero_pads(z: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    """Zero ``z`` [B, H, T, Dh] (or [B, T, D]) at pad positions (``pad_mask`` [B, T], True = pad)."""
+    if z.dim() == 4:
+        return z.masked_fill(pad_mask[:, None, :, None], 0.0)
+    return z.masked_fill(pad_mask[:, :, None], 0.0)
+
+
+class PerHeadConv(nn.Module):
+    """One Conv1d(Dh -> Dh, k_h, 'same' padding, bias) per head h, run as ONE grouped conv.
+
+    Kernel 0 heads use a constant identity kernel (centre tap = I, no bias, no parameters).
+    Input/output [N, H, T, Dh].
+    """
+
+    def __init__(self, kernels: list[int], head_dim: int):
+        super().__init__()
+        self.kernels = list(kernels)
+        self.head_dim = head_dim
+        self.kmax = max(max(self.kernels), 1)
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for k in self.kernels:
+            if k > 0:
+                w = nn.Parameter(torch.empty(head_dim, head_dim, k))
+                b = nn.Parameter(torch.empty(head_dim))
+                _conv_init(w, b)
+                self.weights.append(w)
+                self.biases.append(b)
+        eye = torch.zeros(head_dim, head_dim, self.kmax)
+        eye[:, :, self.kmax // 2] = torch.eye(head_dim)
+        self.register_buffer("identity", eye, persistent=False)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ws, bs, j = [], [], 0
+        for k in self.kernels:
+            if k == 0:
+                ws.append(self.identity)
+                bs.append(self.identity.new_zeros(self.head_dim))
+            else:
+                p = (self.kmax - k) // 2
+                ws.append(F.pad(self.weights[j], (p, p)))
+                bs.append(self.biases[j])
+                j += 1
+        return torch.cat(ws, 0), torch.cat(bs, 0)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        N, H, T, Dh = z.shape
+        w, b = self.stacked()
+        x = z.transpose(2, 3).reshape(N, H * Dh, T)
+        y = F.conv1d(x, w.to(x.dtype), b.to(x.dtype), padding=self.kmax // 2, groups=H)
+        return y.view(N, H, Dh, T).transpose(2, 3)
+
+
+class MSCAttention(SelfAttention):
+    """MSC: the layer input, split into head-sized chunks, is convolved per chunk, then projected."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.variant = PerHeadConv(cfg.conv_kernels, self.head_dim)
+
+    def transform_input(self, x: torch.Tensor, ctx: EncoderContext) -> torch.Tensor:
+        x = zero_pads(x, ctx.pad_mask)
+        return self.merge(self.variant(self.split(x)))
+
+
+class MSHAAttention(SelfAttention):
+    """MSHA: head h's q, k and v each go through that head's convolution (q before scaling)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.variant = PerHeadConv(cfg.conv_kernels, self.head_dim)
+
+    def transform_qkv(self, q, k, v, ctx: EncoderContext):
+        B = q.shape[0]
+        z = zero_pads(torch.cat([q, k, v], 0), ctx.pad_mask.repeat(3, 1))
+        return self.variant(z).split(B, 0)
+
+
+class MoCEExperts(nn.Module):
+    """Expert bank {identity, Conv1d(Dh->Dh, k)} and router, shared by all heads and by Q/K/V.
+
+    All conv experts run as ONE conv whose output channels stack the experts (kernels zero padded
+    to the largest size). Routing per (q|k|v, batch, head, position): logits = W_r z (or W_r [z; lid]),
+    top-k on the logits, softmax over the k selected (fp32), output = sum of the k weighted experts.
+    """
+
+    def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int):
+        super().__init__()
+        self.kernels = list(kernels)
+        self.head_dim = head_dim
+        self.n_experts = len(self.kernels)
+        self.top_k = max(1, min(top_k, self.n_experts))
+        self.conv_kernels = [k for k in self.kernels if k > 0]
+        self.kmax = max(self.conv_kernels, default=1)
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for k in self.conv_kernels:
+            w = nn.Parameter(torch.empty(head_dim, head_dim, k))
+            b = nn.Parameter(torch.empty(head_dim))
+            _conv_init(w, b)
+            self.weights.append(w)
+            self.biases.append(b)
+        self.lid = lid
+        self.router = nn.Linear(head_dim * (2 if lid else 1), self.n_experts, bias=False)
+        # receptive radius of each expert, for the statistics
+        self.register_buffer(
+            "radius", torch.tensor([(k - 1) / 2 if k > 0 else 0.0 for k in self.kernels]), persistent=False
+        )
+        self.n_langs = max(n_langs, 1)
+        self.collect_stats = True
+        self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
+
+    def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
+        """z [N, T, Dh] -> [N, T, n_conv, Dh] (one stacked conv)."""
+        N, T, Dh = z.shape
+        ws = [F.pad(w, ((self.kmax - w.shape[-1]) // 2,) * 2) for w in self.weights]
+        w = torch.cat(ws, 0).to(z.dtype)
+        b = torch.cat(list(self.biases), 0).to(z.dtype)
+        y = F.conv1d(z.transpose(1, 2), w, b, padding=self.kmax // 2)  # [N, n_conv*Dh, T]
+        return y.view(N, len(ws), Dh, T).permute(0, 3, 1, 2)
+
+    def route(self, z: torch.Tensor, lid: torch.Tensor | None) -> torch.Tensor:
+        """Dense routing weights [..., E]: >= 0, exactly k non-zero, summing to 1."""
+        r = z if lid is None else torch.cat([z, lid.expand_as(z)], -1)
+        logits = self.router(r)
+        top = logits.topk(self.top_k, dim=-1)
+        w = torch.softmax(top.values.float(), dim=-1).to(z.dtype)
+        return torch.zeros_like(logits).scatter(-1, top.indices, w)
+
+    def forward(self, z: torch.Tensor, pad_mask: torch.Tensor, lid: torch.Tensor | None, lang: torch.Tensor | None):
+        """z [3, B, H, T, Dh] (q, k, v), pad_mask [B, T], lid [B, H, Dh] or None, lang [B] or None."""
+        G, B, H, T, Dh = z.shape
+        z = z.masked_fill(pad_mask[None, :, None, :, None], 0.0)
+        experts = []
+        if self.conv_kernels:
+            y = self.conv_outputs(z.reshape(G * B * H, T, Dh)).view(G, B, H, T, -1, Dh)
+        j = 0
+        for k in self.kernels:
+            if k == 0:
+                experts.append(z)
+            else:
+                experts.append(y[..., j, :])
+                j += 1
+        experts = torch.stack(experts, -2)  # [3, B, H, T, E, Dh]
+        lid_in = None if lid is None else lid[None, :, :, None, :]
+        weights = self.route(z, lid_in)  # [3, B, H, T, E]
+        out = torch.einsum("...e,...ed->...d", weights, experts)
+        if self.collect_stats and lang is not None:
+            self._accumulate(weights.detach(), pad_mask, lang)
+        return out
+
+    # ---- statistics (device-side accumulation, no host sync) ---------------------------
+    @torch.no_grad()
+    def _accumulate(self, weights: torch.Tensor, pad_mask: torch.Tensor, lang: torch.Tensor) -> None:
+        real = (~pad_mask).to(weights.dtype)[None, :, None, :, None]  # [1, B, 1, T, 1]
+        selected = (weights > 0).to(torch.float32) * real  # [3, B, H, T, E]
+        per_sentence = selected.sum(dim=(0, 2, 3))  # [B, E]
+        radius = (weights.float() * self.radius.to(weights.device)).sum(-1, keepdim=True) * real
+        radius_sum = radius.sum(dim=(0, 2, 3, 4))  # [B]
+        tokens = real.float().sum(dim=(0, 2, 3, 4)) * weights.shape[0] * weights.shape[2]  # [B]
+        if self._stats is None or self._stats["selected"].device != weights.device:
+            dev = weights.device
+            self._stats = {
+                "selected": torch.zeros(self.n_langs, self.n_experts, device=dev),
+                "radius": torch.zeros(self.n_langs, device=dev),
+                "tokens": torch.zeros(self.n_langs, device=dev),
+            }
+        s = self._stats
+        s["selected"].index_add_(0, lang, per_sentence)
+        s["radius"].index_add_(0, lang, radius_sum)
+        s["tokens"].index_add_(0, lang, tokens)
+
+    def routing_stats(self, reset: bool = True) -> dict:
+        """Per source language (manifest index): ``selection`` = share of (q|k|v, head, token)
+        routing slots that picked each expert (rows sum to top_k), ``mean_radius`` = routing-weighted
+        kernel radius (k-1)/2 averaged over tokens, ``tokens`` = routed slots. Host copy happens here."""
+        if self._stats is None:
+            return {"kernels": self.kernels, "selection": [], "mean_radius": [], "tokens": []}
+        s = self._stats
+        tok = s["tokens"].clamp(min=1)
+        out = {
+            "kernels": self.kernels,
+            "selection": (s["selected"] / tok[:, None]).tolist(),
+            "mean_radius": (s["radius"] / tok).tolist(),
+            "tokens": s["tokens"].tolist(),
+        }
+        if reset:
+            self._stats = None
+        return out
+
+
+class AdaMSHAAttention(SelfAttention):
+    """Ada-MSHA (MoCE): q, k, v of every head go through the routed expert mixture, then SDPA."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.route_scaled_q = cfg.moce_route_scaled_q
+        self.variant = MoCEExperts(
+            cfg.conv_kernels, self.head_dim, cfg.moce_top_k, cfg.moce_lid, vocab_size - LANG_OFFSET
+        )
+
+    @staticmethod
+    def source_tag(src: torch.Tensor) -> torch.Tensor:
+        """Id of the first non-pad token of each row (the ``__src__`` tag; works for left padding)."""
+        first = src.ne(PAD).to(torch.int8).argmax(dim=1)
+        return src.gather(1, first[:, None]).squeeze(1)
+
+    def forward(self, x: torch.Tensor, ctx: EncoderContext, attn_mask=None):
+        B, T, _ = x.shape
+        q, k, v = self.split(self.q_proj(x)), self.split(self.k_proj(x)), self.split(self.v_proj(x))
+        scale = None
+        if self.route_scaled_q:  # reference: q scaled by Dh^-1/2 before routing and experts
+            q = q * self.head_dim**-0.5
+            scale = 1.0
+        tag = self.source_tag(ctx.src_tokens)
+        lid = None
+        if self.variant.lid:
+            lid = ctx.embeddings(tag, "raw").view(B, self.n_heads, self.head_dim).to(q.dtype)
+        lang = (tag - LANG_OFFSET).clamp(0, self.variant.n_langs - 1)
+        z = self.variant(torch.stack([q, k, v]), ctx.pad_mask, lid, lang)
+        q, k, v = z.unbind(0)
+        return self.attend(q, k, v, ctx.key_mask() if attn_mask is None else attn_mask, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------
+# builders
+# ---------------------------------------------------------------------------------------
+def _check_layers(cfg: ModelConfig) -> set[int]:
+    layers = list(cfg.conv_layers)
+    if not layers:
+        raise ScaletrainError("model.conv_layers: list at least one encoder layer index (e.g. [0])")
+    for i in layers:
+        if not isinstance(i, int) or not 0 <= i < cfg.encoder_layers:
+            raise ScaletrainError(
+                f"model.conv_layers: {i!r} is not an encoder layer index in [0, {cfg.encoder_layers - 1}]"
+            )
+    if len(set(layers)) != len(layers):
+        raise ScaletrainError(f"model.conv_layers: duplicate layer index in {layers}")
+    return set(layers)
+
+
+def _build(cfg: ModelConfig, vocab_size: int, make_attn) -> Transformer:
+    from scaletrain.models import make_embeddings
+
+    layers = _check_layers(cfg)
+
+    def factory(i: int):
+        return make_attn() if i in layers else None
+
+    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), encoder_self_attn=factory)
+
+
+def _check_per_head(cfg: ModelConfig) -> None:
+    ks = _check_kernels(cfg.conv_kernels)
+    if len(ks) != cfg.n_heads:
+        raise ScaletrainError(
+            f"model.conv_kernels: {cfg.arch} needs one kernel per head ({cfg.n_heads}), got {len(ks)}: {ks}"
+        )
+
+
+@register_model("msc")
+def build_msc(cfg: ModelConfig, vocab_size: int) -> Transformer:
+    _check_per_head(cfg)
+    return _build(cfg, vocab_size, lambda: MSCAttention(cfg))
+
+
+@register_model("msha")
+def build_msha(cfg: ModelConfig, vocab_size: int) -> Transformer:
+    _check_per_head(cfg)
+    return _build(cfg, vocab_size, lambda: MSHAAttention(cfg))
+
+
+@register_model("moce")
+def build_moce(cfg: ModelConfig, vocab_size: int) -> Transformer:
+    _check_kernels(cfg.conv_kernels)
+    if not isinstance(cfg.moce_top_k, int) or cfg.moce_top_k < 1:
+        raise ScaletrainError(f"model.moce_top_k: must be a positive integer, got {cfg.moce_top_k!r}")
+    for key in ("moce_lid", "moce_route_scaled_q"):
+        if not isinstance(getattr(cfg, key), bool):
+            raise ScaletrainError(f"model.{key}: must be true or false")
+    if cfg.moce_lid and vocab_size <= LANG_OFFSET:
+        raise ScaletrainError("model.moce_lid: needs language tags in the vocabulary (source tag at src position 0)")
+    return _build(cfg, vocab_size, lambda: AdaMSHAAttention(cfg, vocab_size))

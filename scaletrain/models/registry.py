@@ -1,0 +1,73 @@
+"""Model registry: ``cfg.arch`` -> builder ``(cfg, vocab_size) -> nn.Module``, plus config checks."""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from scaletrain.errors import ScaletrainError
+from scaletrain.models.config import ModelConfig
+
+Builder = Callable[[ModelConfig, int], nn.Module]
+_REGISTRY: dict[str, Builder] = {}
+
+
+def register_model(name: str) -> Callable[[Builder], Builder]:
+    """Decorator: ``@register_model("moce") def build(cfg, vocab_size): ...``"""
+
+    def deco(fn: Builder) -> Builder:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ScaletrainError(f"model architecture {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def available_models() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _fail(key: str, msg: str) -> None:
+    raise ScaletrainError(f"model.{key}: {msg}")
+
+
+def check_config(cfg: ModelConfig, vocab_size: int) -> None:
+    """Validate the fields every architecture uses; raises ScaletrainError naming the key."""
+    if cfg.arch not in _REGISTRY:
+        _fail("arch", f"unknown architecture {cfg.arch!r}; choose one of: {', '.join(available_models())}")
+    if not isinstance(vocab_size, int) or vocab_size < 5:
+        raise ScaletrainError(f"vocabulary size must be an int >= 5 (specials + bytes), got {vocab_size!r}")
+    for key in ("d_model", "n_heads", "ffn_dim", "max_positions"):
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or v <= 0:
+            _fail(key, f"must be a positive integer, got {v!r}")
+    for key in ("encoder_layers", "decoder_layers"):
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or v < 0:
+            _fail(key, f"must be a non-negative integer, got {v!r}")
+    if cfg.decoder_layers < 1:
+        _fail("decoder_layers", "must be at least 1")
+    if cfg.d_model % cfg.n_heads:
+        _fail("n_heads", f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
+    for key in ("dropout", "attention_dropout", "activation_dropout"):
+        v = getattr(cfg, key)
+        if not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            _fail(key, f"must be a probability in [0, 1), got {v!r}")
+    if cfg.activation not in ("relu", "gelu"):
+        _fail("activation", f"must be 'relu' or 'gelu', got {cfg.activation!r}")
+    if cfg.embedding not in ("learned", "onehot"):
+        _fail("embedding", f"must be 'learned' or 'onehot', got {cfg.embedding!r}")
+    if cfg.embedding == "onehot" and vocab_size > cfg.d_model:
+        _fail("embedding", f"onehot needs vocabulary size <= d_model, got {vocab_size} > {cfg.d_model}")
+    for key in (
+        "pre_ln",
+        "share_embeddings",
+        "scale_embeddings",
+        "encoder_input_dropout",
+        "decoder_input_dropout",
+        "decoder_last_layer_dropout",
+        "onehot_learnable_scales",
+    ):
+        if not isinstance(getattr(cfg, key), bool):
+            _fail(key, f"must be true or false, got {getattr(cfg, key)!r}")

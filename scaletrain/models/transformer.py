@@ -1,0 +1,469 @@
+"""Byte-level Transformer encoder-decoder: the one core every variant plugs into.
+
+Read top to bottom: positions -> embeddings -> attention -> layers -> encoder / decoder -> model.
+
+Conventions
+- Tensors are batch first: tokens [B, T], states [B, T, D], per-head states [B, H, T, Dh].
+- ``pad_mask`` is a bool tensor [B, S] with True at padding (PAD id 0, see ``scaletrain.vocab``).
+- Attention masks handed to ``scaled_dot_product_attention`` are bool with True = may attend.
+- Targets are right padded (``scaletrain.data.batch``), so in the decoder every pad key lies in the
+  future of every real query and the causal mask alone hides it: decoder self-attention runs with
+  ``is_causal=True`` and no pad mask (the fast fused kernels accept that).
+
+Plug-in points (variants use these instead of forking the core):
+- ``embeddings``: an ``Embeddings`` module with ``encoder_input(tokens)``, ``decoder_input(tokens)``,
+  ``output(h)`` and ``raw(tokens)``, called as ``embeddings(x, kind)`` (default: ``SharedEmbeddings`` /
+  ``SeparateEmbeddings``; one-hot lives in ``scaletrain.models.onehot``).
+- ``frontend``: a module ``(x, ctx) -> (x, pad_mask)`` applied between the embedded input and the
+  encoder layers (e.g. byte layers + n-gram fusion replacing the first L layers).
+- ``encoder_self_attn``: a factory ``(layer_index) -> nn.Module`` building each encoder layer's
+  self-attention; the module is called as ``attn(x, ctx, attn_mask)`` (see ``SelfAttention``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.errors import ScaletrainError
+from scaletrain.models.config import ModelConfig
+from scaletrain.vocab import PAD
+
+
+# ---------------------------------------------------------------------------------------
+# positions
+# ---------------------------------------------------------------------------------------
+def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
+    """fairseq's sinusoidal table [n_positions, dim]: sin in the first half, cos in the second.
+
+    Row 0 is all zeros: position 0 is reserved for padding; real tokens use 1, 2, ... (fairseq,
+    whose pad id is 1, starts at 2; irrelevant when training from scratch).
+    """
+    half = dim // 2
+    scale = math.log(10000.0) / max(half - 1, 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float64) * -scale)
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None] * freqs[None, :]
+    table = torch.cat([torch.sin(pos), torch.cos(pos)], dim=1)
+    if dim % 2 == 1:
+        table = torch.cat([table, torch.zeros(n_positions, 1, dtype=torch.float64)], dim=1)
+    table[0] = 0.0
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal positions, zero at pad positions (fairseq ``make_positions``).
+
+    The position of a real token is its rank among the real tokens of its row (1-based), so
+    left and right padding give the same encodings at real positions.
+    """
+
+    def __init__(self, dim: int, max_positions: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.register_buffer("table", sinusoidal_table(max_positions + 1, dim), persistent=False)
+
+    def _check(self, n: int) -> None:
+        if n > self.max_positions:
+            raise ScaletrainError(
+                f"sequence of {n} tokens is longer than model.max_positions={self.max_positions}; "
+                "raise model.max_positions or lower the byte cap (data max bytes / generation max length)"
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._check(tokens.shape[1])
+        real = tokens.ne(PAD)
+        positions = torch.cumsum(real, dim=1) * real  # 0 at pads
+        return F.embedding(positions, self.table)
+
+    def at(self, step: int, batch: int) -> torch.Tensor:
+        """Encoding [B, 1, D] of decoder position ``step`` (0-based; stored at row step + 1)."""
+        self._check(step + 1)
+        return self.table[step + 1].expand(batch, 1, -1)
+
+
+# ---------------------------------------------------------------------------------------
+# token embeddings (+ output projection)
+# ---------------------------------------------------------------------------------------
+def _lookup(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of ``weight``; exactly zero at pad positions even if the (shared) pad row has drifted
+    through the output projection's gradient."""
+    return F.embedding(tokens, weight, padding_idx=PAD).masked_fill(tokens.eq(PAD)[..., None], 0.0)
+
+
+def _init_embedding(weight: torch.Tensor, dim: int) -> None:
+    nn.init.normal_(weight, mean=0.0, std=dim**-0.5)
+    with torch.no_grad():
+        weight[PAD].zero_()
+
+
+class Embeddings(nn.Module):
+    """Token representation interface. The core calls ``module(x, kind)`` (a real module call, so
+    hooks such as DeepSpeed ZeRO-3 parameter gathering fire) with kind one of:
+    "encoder" (scaled source rows), "decoder" (scaled target rows), "output" (logits from h),
+    "raw" (unscaled source rows, e.g. the MoCE +lid router input). Rows are zero at pad tokens."""
+
+    def forward(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "encoder":
+            return self.encoder_input(x)
+        if kind == "decoder":
+            return self.decoder_input(x)
+        if kind == "output":
+            return self.output(x)
+        if kind == "raw":
+            return self.raw(x)
+        raise ValueError(f"unknown embeddings call {kind!r}")
+
+
+class SharedEmbeddings(Embeddings):
+    """One matrix for encoder input, decoder input and output projection (share-all)."""
+
+    def __init__(self, vocab_size: int, dim: int, scale: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+        _init_embedding(self.weight, dim)
+        self.scale = math.sqrt(dim) if scale else 1.0
+
+    def raw(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _lookup(tokens, self.weight)
+
+    def encoder_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.raw(tokens) * self.scale
+
+    decoder_input = encoder_input
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+
+class SeparateEmbeddings(Embeddings):
+    """Independent encoder input, decoder input and output matrices (``share_embeddings: false``)."""
+
+    def __init__(self, vocab_size: int, dim: int, scale: bool):
+        super().__init__()
+        self.encoder_weight = nn.Parameter(torch.empty(vocab_size, dim))
+        self.decoder_weight = nn.Parameter(torch.empty(vocab_size, dim))
+        self.output_weight = nn.Parameter(torch.empty(vocab_size, dim))
+        for w in (self.encoder_weight, self.decoder_weight, self.output_weight):
+            _init_embedding(w, dim)
+        self.scale = math.sqrt(dim) if scale else 1.0
+
+    def raw(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _lookup(tokens, self.encoder_weight)
+
+    def encoder_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.raw(tokens) * self.scale
+
+    def decoder_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _lookup(tokens, self.decoder_weight) * self.scale
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.output_weight)
+
+
+# ---------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------
+@dataclass
+class EncoderContext:
+    """What encoder plug-ins may look at besides the hidden states."""
+
+    src_tokens: torch.Tensor  # [B, S]
+    pad_mask: torch.Tensor  # [B, S] bool, True = pad
+    embeddings: Any  # the model's Embeddings module (``embeddings(tokens, "raw")`` gives unscaled rows)
+    extras: dict = field(default_factory=dict)  # per-forward scratch space for plug-ins
+
+    def key_mask(self) -> torch.Tensor:
+        """[B, 1, 1, S] bool, True = may attend."""
+        return (~self.pad_mask)[:, None, None, :]
+
+
+class MultiheadAttention(nn.Module):
+    """Projections + SDPA. fairseq initialisation (xavier; q/k/v gain 1/sqrt 2; zero out bias)."""
+
+    def __init__(self, dim: int, n_heads: int, attention_dropout: float):
+        super().__init__()
+        if dim % n_heads:
+            raise ScaletrainError(f"model.d_model={dim} is not divisible by model.n_heads={n_heads}")
+        self.dim, self.n_heads, self.head_dim = dim, n_heads, dim // n_heads
+        self.attention_dropout = attention_dropout
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        for p in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(p.weight, gain=2**-0.5)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, H, T, Dh]
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:  # [B, H, T, Dh] -> [B, T, D]
+        B, H, T, Dh = x.shape
+        return x.transpose(1, 2).reshape(B, T, H * Dh)
+
+    def attend(self, q, k, v, mask=None, is_causal=False, scale=None) -> torch.Tensor:
+        p = self.attention_dropout if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+        return self.out_proj(self.merge(o))
+
+
+class SelfAttention(MultiheadAttention):
+    """Encoder self-attention. Variants subclass and override ``transform_input`` (before the
+    projections, e.g. MSC) and/or ``transform_qkv`` (per-head q/k/v, e.g. MSHA, Ada-MSHA)."""
+
+    def transform_input(self, x: torch.Tensor, ctx: EncoderContext) -> torch.Tensor:
+        return x
+
+    def transform_qkv(self, q, k, v, ctx: EncoderContext):
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, ctx: EncoderContext, attn_mask: Optional[torch.Tensor] = None):
+        x = self.transform_input(x, ctx)
+        q, k, v = self.split(self.q_proj(x)), self.split(self.k_proj(x)), self.split(self.v_proj(x))
+        q, k, v = self.transform_qkv(q, k, v, ctx)
+        return self.attend(q, k, v, ctx.key_mask() if attn_mask is None else attn_mask)
+
+
+# ---------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int, activation: str, activation_dropout: float):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, dim)
+        for p in (self.fc1, self.fc2):
+            nn.init.xavier_uniform_(p.weight)
+            nn.init.zeros_(p.bias)
+        self.act = {"relu": F.relu, "gelu": F.gelu}[activation]
+        self.activation_dropout = activation_dropout
+
+    def forward(self, x):
+        h = F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
+        return self.fc2(h)
+
+
+class _Residual(nn.Module):
+    """One sub-layer wrapper: post-LN ``LN(x + drop(f(x)))`` or pre-LN ``x + drop(f(LN(x)))``."""
+
+    def __init__(self, dim: int, pre_ln: bool, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.pre_ln = pre_ln
+        self.dropout = dropout
+
+    def forward(self, x, fn):
+        if self.pre_ln:
+            return x + F.dropout(fn(self.norm(x)), self.dropout, self.training)
+        return self.norm(x + F.dropout(fn(x), self.dropout, self.training))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, self_attn: Optional[nn.Module] = None):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = self_attn if self_attn is not None else SelfAttention(d, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.attn_res = _Residual(d, cfg.pre_ln, cfg.dropout)
+        self.ffn_res = _Residual(d, cfg.pre_ln, cfg.dropout)
+
+    def forward(self, x, ctx: EncoderContext, attn_mask: Optional[torch.Tensor] = None):
+        x = self.attn_res(x, lambda h: self.self_attn(h, ctx, attn_mask))
+        return self.ffn_res(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dropout: Optional[float] = None):
+        super().__init__()
+        d = cfg.d_model
+        p = cfg.dropout if dropout is None else dropout
+        self.self_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.self_res = _Residual(d, cfg.pre_ln, p)
+        self.cross_res = _Residual(d, cfg.pre_ln, p)
+        self.ffn_res = _Residual(d, cfg.pre_ln, p)
+
+    def set_residual_dropout(self, p: float) -> None:
+        for r in (self.self_res, self.cross_res, self.ffn_res):
+            r.dropout = p
+
+    @property
+    def residual_dropout(self) -> float:
+        return self.self_res.dropout
+
+    def _self(self, h, layer_cache):
+        a = self.self_attn
+        q, k, v = a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h))
+        if layer_cache is None:  # full sequence, causal
+            return a.attend(q, k, v, is_causal=True)
+        if "k" in layer_cache:
+            k = torch.cat([layer_cache["k"], k], dim=2)
+            v = torch.cat([layer_cache["v"], v], dim=2)
+        layer_cache["k"], layer_cache["v"] = k, v
+        return a.attend(q, k, v)  # one query at the newest position sees every cached key
+
+    def _cross(self, h, enc: "EncoderOut", key_mask, layer_cache):
+        a = self.cross_attn
+        q = a.split(a.q_proj(h))
+        if layer_cache is not None and "ck" in layer_cache:
+            k, v = layer_cache["ck"], layer_cache["cv"]
+        else:
+            k, v = a.split(a.k_proj(enc.out)), a.split(a.v_proj(enc.out))
+            if layer_cache is not None:
+                layer_cache["ck"], layer_cache["cv"] = k, v
+        return a.attend(q, k, v, key_mask)
+
+    def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None):
+        x = self.self_res(x, lambda h: self._self(h, layer_cache))
+        x = self.cross_res(x, lambda h: self._cross(h, enc, key_mask, layer_cache))
+        return self.ffn_res(x, self.ffn)
+
+
+# ---------------------------------------------------------------------------------------
+# encoder / decoder outputs and cache
+# ---------------------------------------------------------------------------------------
+@dataclass
+class EncoderOut:
+    out: torch.Tensor  # [B, S, D]
+    pad_mask: torch.Tensor  # [B, S] bool, True = pad
+
+    def index_select(self, index: torch.Tensor) -> "EncoderOut":
+        """Reorder / expand the batch dimension (beam search: ``index = arange(B).repeat_interleave(k)``)."""
+        return EncoderOut(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
+
+
+@dataclass
+class DecoderCache:
+    """Per decoder layer: self-attention K/V so far ("k", "v": [B, H, t, Dh]) and the cross-attention
+    K/V of the encoder output ("ck", "cv": [B, H, S, Dh], computed once at step 0)."""
+
+    layers: list
+
+    def index_select(self, index: torch.Tensor) -> "DecoderCache":
+        return DecoderCache([{n: t.index_select(0, index) for n, t in layer.items()} for layer in self.layers])
+
+
+# ---------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------
+class Transformer(nn.Module):
+    """Encoder-decoder over byte ids; ``forward(src, tgt_in) -> logits [B, T, V]``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        *,
+        embeddings: Optional[nn.Module] = None,
+        frontend: Optional[nn.Module] = None,
+        encoder_self_attn: Optional[Callable[[int], nn.Module]] = None,
+        n_encoder_layers: Optional[int] = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        d = cfg.d_model
+        if embeddings is None:
+            cls = SharedEmbeddings if cfg.share_embeddings else SeparateEmbeddings
+            embeddings = cls(vocab_size, d, cfg.scale_embeddings)
+        self.embeddings = embeddings
+        self.positions = SinusoidalPositions(d, cfg.max_positions)
+        self.frontend = frontend
+        n_enc = cfg.encoder_layers if n_encoder_layers is None else n_encoder_layers
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(cfg, encoder_self_attn(i) if encoder_self_attn is not None else None) for i in range(n_enc)
+        )
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        if not cfg.decoder_last_layer_dropout and cfg.decoder_layers > 0:
+            self.decoder_layers[-1].set_residual_dropout(0.0)
+        # pre-LN stacks end with a LayerNorm (fairseq normalize_before); post-LN ones do not
+        self.encoder_norm = nn.LayerNorm(d) if cfg.pre_ln else None
+        self.decoder_norm = nn.LayerNorm(d) if cfg.pre_ln else None
+        self.last_aux_loss: Optional[torch.Tensor] = None
+
+    # ---- encoder ---------------------------------------------------------------------
+    def embed_source(self, src: torch.Tensor) -> torch.Tensor:
+        e = self.embeddings(src, "encoder")
+        x = e + self.positions(src).to(dtype=e.dtype)
+        if self.cfg.encoder_input_dropout:
+            x = F.dropout(x, self.cfg.dropout, self.training)
+        return x
+
+    def encode(self, src: torch.Tensor) -> EncoderOut:
+        self._check_tokens(src, "src")
+        pad_mask = src.eq(PAD)
+        ctx = EncoderContext(src, pad_mask, self.embeddings)
+        x = self.embed_source(src)
+        if self.frontend is not None:
+            x, pad_mask = self.frontend(x, ctx)
+            ctx.pad_mask = pad_mask
+        for layer in self.encoder_layers:
+            x = layer(x, ctx)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+        return EncoderOut(x, ctx.pad_mask)
+
+    # ---- decoder ---------------------------------------------------------------------
+    def _decoder_input(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        e = self.embeddings(tokens, "decoder")
+        x = e + pos.to(dtype=e.dtype)
+        if self.cfg.decoder_input_dropout:
+            x = F.dropout(x, self.cfg.dropout, self.training)
+        return x
+
+    def _decoder_output(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return self.embeddings(x, "output")
+
+    def decode(self, tgt_in: torch.Tensor, enc: EncoderOut) -> torch.Tensor:
+        self._check_tokens(tgt_in, "tgt_in")
+        x = self._decoder_input(tgt_in, self.positions(tgt_in))
+        key_mask = (~enc.pad_mask)[:, None, None, :]
+        for layer in self.decoder_layers:
+            x = layer(x, enc, key_mask)
+        return self._decoder_output(x)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        self.last_aux_loss = None
+        return self.decode(tgt_in, self.encode(src))
+
+    # ---- incremental decoding ------------------------------------------------------------
+    def decode_step(
+        self, tokens: torch.Tensor, step: int, enc: EncoderOut, cache: Optional[DecoderCache] = None
+    ) -> tuple[torch.Tensor, DecoderCache]:
+        """Feed the decoder input at position ``step`` (step 0 = target tag); logits [B, V] for the next token."""
+        if cache is None:
+            if step != 0:
+                raise ScaletrainError(f"decode_step: cache=None is only valid at step 0 (got step {step})")
+            cache = DecoderCache([{} for _ in self.decoder_layers])
+        x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
+        key_mask = (~enc.pad_mask)[:, None, None, :]
+        for layer, lc in zip(self.decoder_layers, cache.layers):
+            x = layer(x, enc, key_mask, lc)
+        return self._decoder_output(x)[:, 0], cache
+
+    def routing_stats(self, reset: bool = True) -> dict:
+        """Routing statistics of every plug-in that keeps them (e.g. MoCE), keyed by module name.
+        Reading them copies to the host; call it every N steps, not every step."""
+        return {
+            name: mod.routing_stats(reset)
+            for name, mod in self.named_modules()
+            if mod is not self and callable(getattr(mod, "routing_stats", None))
+        }
+
+    @staticmethod
+    def reorder_cache(cache: DecoderCache, index: torch.Tensor) -> DecoderCache:
+        return cache.index_select(index)
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _check_tokens(self, t: torch.Tensor, name: str) -> None:
+        if t.dim() != 2 or t.dtype != torch.long:
+            raise ScaletrainError(f"model input {name} must be an int64 tensor [batch, length], got {t.dtype} {tuple(t.shape)}")
