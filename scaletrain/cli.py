@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-lines", type=int, default=0, help="decode only the first N lines per direction (0 = all)")
     ev.add_argument("--json", default=None, help="write the report as JSON here")
     ev.add_argument("--no-track", action="store_true", help="do not log to the training run in MLflow")
+
+    from scaletrain.commands import register_all
+
+    register_all(sub)
     return p
 
 
@@ -122,7 +126,10 @@ def _dispatch(args) -> int:
         from scaletrain.evaluate import evaluate_cli
 
         return evaluate_cli(args)
-    raise AssertionError(args.command)
+    func = getattr(args, "func", None)
+    if func is None:
+        raise AssertionError(args.command)
+    return int(func(args) or 0)
 
 
 if __name__ == "__main__":
