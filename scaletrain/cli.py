@@ -47,14 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     pr = sub.add_parser("prepare", help="extract a corpus and write WebDataset shards + manifest.json")
-    pr.add_argument("--source", default="gettext", choices=["gettext"], help="input format (default gettext)")
-    pr.add_argument("--package", default="django", help="installed Python package whose gettext catalogs to read")
-    pr.add_argument("--langs", default=None, help="comma-separated language codes (default: the bundled set)")
-    pr.add_argument("--out", default="shards/django", help="output directory (default shards/django)")
-    pr.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    pr.add_argument("--valid-frac", type=float, default=0.05)
-    pr.add_argument("--test-frac", type=float, default=0.05)
-    pr.add_argument("--seed", type=int, default=0, help="seed of the split hash")
+    from scaletrain.data.prepare_args import add_prepare_arguments
+
+    add_prepare_arguments(pr)
 
     tr = sub.add_parser("train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)")
     tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
@@ -95,15 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "prepare":
-        from scaletrain.data.prepare import prepare_gettext
+        from scaletrain.data.prepare import prepare_from_args
 
-        langs = [x.strip() for x in args.langs.split(",") if x.strip()] if args.langs else None
-        m = prepare_gettext(
-            package=args.package, langs=langs, out=args.out, overwrite=args.overwrite,
-            valid_frac=args.valid_frac, test_frac=args.test_frac, seed=args.seed,
-        )
-        print(f"wrote {args.out}: {len(m.languages)} languages, {sum(s.n_examples for s in m.splits.values()):,} examples")
-        return 0
+        return prepare_from_args(args)
     if args.command == "train":
         from scaletrain.config import dump_yaml, load_config
 

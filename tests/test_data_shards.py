@@ -50,13 +50,48 @@ def test_block_roundtrip(exs):
 
 
 def test_block_layout_is_the_documented_one():
-    buf = encode_block([Example(1, 0, b"ab", b"xyz"), Example(0, 2, b"", b"q")])
+    exs = [Example(1, 0, b"ab", b"xyz"), Example(0, 2, b"", b"q")]
+    buf = encode_block(exs, compact=False)  # full widths: flags 0, u16 languages, u32 lengths
     assert buf[:4] == b"STPB"
     assert np.frombuffer(buf, "<u2", 2, 4).tolist() == [1, 0]
     assert np.frombuffer(buf, "<u4", 1, 8).tolist() == [2]
     assert np.frombuffer(buf, "<u2", 4, 12).tolist() == [1, 0, 0, 2]
     assert np.frombuffer(buf, "<u4", 4, 20).tolist() == [2, 0, 3, 1]
     assert buf[36:] == b"abxyzq"
+    buf = encode_block(exs)  # compact: u8 languages (flag 1), u8 lengths (flag 4)
+    assert np.frombuffer(buf, "<u2", 2, 4).tolist() == [1, 5]
+    assert list(buf[12:16]) == [1, 0, 0, 2] and list(buf[16:20]) == [2, 0, 3, 1] and buf[20:] == b"abxyzq"
+    assert decode_block(buf).examples() == exs == decode_block(encode_block(exs, compact=False)).examples()
+
+
+@pytest.mark.parametrize("n_src, lang, n_short, flags, arrays", [
+    (255, 255, 1, 5, 2 * 2 * (1 + 1)),  # u8 languages, u8 lengths
+    (256, 3, 1, 3, 2 * 2 * (1 + 2)),  # one long side in two examples: u16 lengths are smaller than escapes
+    (300, 7, 9, 9, 2 * 10 * (1 + 1) + 4),  # one long side in ten: u8 lengths + one u32 overflow entry
+    (70_000, 256, 1, 8, 2 * 2 * (2 + 1) + 4),  # u16 languages; a length beyond u16 always escapes
+])
+def test_compact_widths_follow_the_data(n_src, lang, n_short, flags, arrays):
+    exs = [Example(lang, 0, b"s" * n_src, b"t")] + [Example(1, 2, b"u%d" % i, b"vw") for i in range(n_short)]
+    buf = encode_block(exs)
+    assert np.frombuffer(buf, "<u2", 1, 6).tolist() == [flags]
+    text = sum(len(e.src) + len(e.tgt) for e in exs)
+    assert len(buf) == 12 + arrays + text
+    blk = decode_block(buf)
+    assert blk.examples() == exs
+    assert blk.src_len.dtype == np.dtype("<u4") and blk.src_lang.dtype == np.dtype("<u2")
+    assert decode_lengths(buf[: 12 + arrays]).src_len.tolist() == [len(e.src) for e in exs]
+    with pytest.raises(ScaletrainError, match="truncated"):
+        decode_lengths(buf[: 12 + arrays - 1])
+    with pytest.raises(ScaletrainError, match="does not match its header"):
+        decode_block(buf[:-1])
+
+
+def test_overflow_lengths_on_both_sides_in_order():
+    exs = [Example(0, 1, b"a" * 400, b"b" * 255)] + [Example(1, 0, b"c", b"d" * (i + 1)) for i in range(8)] + \
+          [Example(1, 0, b"e" * 256, b"f" * 1000)]
+    buf = encode_block(exs)
+    assert np.frombuffer(buf, "<u2", 1, 6).tolist() == [1 | 8]
+    assert decode_block(buf).examples() == exs
 
 
 def test_corrupt_blocks_are_rejected():
@@ -69,6 +104,10 @@ def test_corrupt_blocks_are_rejected():
         decode_block(buf[:10], "m")
     with pytest.raises(ScaletrainError, match="version"):
         decode_block(buf[:4] + b"\x07\x00" + buf[6:], "m")
+    with pytest.raises(ScaletrainError, match="unknown block flags"):
+        decode_block(buf[:6] + b"\x10\x00" + buf[8:], "m")
+    with pytest.raises(ScaletrainError, match="unknown block flags"):
+        decode_block(buf[:6] + b"\x06\x00" + buf[8:], "m")  # two length widths at once
 
 
 def make_examples(n, seed=0):

@@ -67,6 +67,9 @@ def format_stats(stats: dict) -> str:
     total = stats.get("cleaning", {}).get("total")
     if total:
         lines.append("filtered / cleaned: " + ", ".join(f"{k} {v:,}" for k, v in total.items()))
+    no_eval = (stats.get("source") or {}).get("no_eval")
+    if no_eval:
+        lines.append(f"train only (left out of evaluation): {', '.join(no_eval)}")
     return "\n".join(lines)
 
 

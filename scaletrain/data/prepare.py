@@ -15,10 +15,10 @@ from tqdm.auto import tqdm
 from scaletrain.data.batch import Example
 from scaletrain.data.gettext import PIVOT, check_fracs, read_gettext, split_of
 from scaletrain.data.opus import opus100_corpora
+from scaletrain.data.prepare_args import DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401 (re-exported)
 from scaletrain.data.shards import (
     MANIFEST,
     SPLITS,
-    BlockInfo,
     DirectionStats,
     Manifest,
     ShardInfo,
@@ -33,6 +33,7 @@ from scaletrain.data.shards import (
 )
 from scaletrain.data.text import (
     FILTER_REASONS,
+    KEPT_NOTES,
     PairFilter,
     ParallelCorpus,
     check_same_lines,
@@ -141,11 +142,11 @@ def _index_corpus(c: ParallelCorpus, every: int) -> tuple[int, list[tuple[int, i
 def _run_task(task: dict) -> dict:
     """Read one line range, filter, write one shard (if anything survives) and its completion record."""
     c = ParallelCorpus(**task["corpus"])
-    flt = PairFilter(task["max_bytes"], task["max_ratio"])
+    flt = PairFilter(task["max_bytes"], task["max_ratio"], task.get("keep_invalid_utf8", False))
     si, ti = task["src_idx"], task["tgt_idx"]
     so, to, n = task["src_off"], task["tgt_off"], task["n_lines"]
     pairs = read_tsv_range(c.tsv_path, so, n) if c.tsv_path else read_pair_range(c.src_path, c.tgt_path, so, to, n)
-    counters = Counter({k: 0 for k in ("lines", "kept", *FILTER_REASONS)})
+    counters = Counter({k: 0 for k in ("lines", "kept", *FILTER_REASONS, *KEPT_NOTES)})
     out = Path(task["out"])
     w = SplitWriter(out, c.split, task["languages"], shard_size=1 << 62, block_size=task["block_size"],
                     first_index=task["index"])
@@ -154,7 +155,8 @@ def _run_task(task: dict) -> dict:
         reason, src, tgt = flt(pair)
         if reason is not None:
             counters[reason] += 1
-            continue
+            if reason not in KEPT_NOTES:
+                continue
         counters["kept"] += 1
         w.add(Example(si, ti, src, tgt))
         if task["both"]:
@@ -167,7 +169,7 @@ def _run_task(task: dict) -> dict:
         "index": task["index"],
         "split": c.split,
         "corpus": c.name,
-        "shard": asdict(info.shards[0]) if info.shards else None,
+        "shard": info.shards[0].to_dict() if info.shards else None,
         "counters": dict(counters),
         "directions": {k: asdict(v) for k, v in info.directions.items()},
     }
@@ -202,6 +204,7 @@ def prepare_parallel(
     both_directions: bool = True,
     max_bytes: int = 800,
     max_ratio: float | None = None,
+    keep_invalid_utf8: bool = False,
     shard_lines: int = PARALLEL_SHARD_LINES,
     block_size: int = PARALLEL_BLOCK_SIZE,
     workers: int = 1,
@@ -222,7 +225,7 @@ def prepare_parallel(
         raise ScaletrainError("no corpora given")
     if shard_lines < 1 or workers < 1:
         raise ScaletrainError(f"shard_lines ({shard_lines}) and workers ({workers}) must be >= 1")
-    PairFilter(max_bytes, max_ratio)  # validates
+    PairFilter(max_bytes, max_ratio, keep_invalid_utf8)  # validates
     languages = list(languages) if languages is not None else _vocab_order(corpora)
     lang_idx = {l: i for i, l in enumerate(languages)}
     for c in corpora:
@@ -237,6 +240,8 @@ def prepare_parallel(
         return load_manifest(out)  # already complete
     params = {"both_directions": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio,
               "shard_lines": shard_lines, "block_size": block_size}
+    if keep_invalid_utf8:
+        params["keep_invalid_utf8"] = True
     if not (resume and state.is_dir()):
         if state.is_dir() and not overwrite:
             raise ScaletrainError(f"{out} holds an interrupted prepare; pass resume=True (--resume) to continue it "
@@ -261,6 +266,7 @@ def prepare_parallel(
                 "src_off": so, "tgt_off": to, "n_lines": min(shard_lines, n - k * shard_lines),
                 "index": i, "split_key": shard_name(c.split, i)[:-4], "out": str(out), "languages": languages,
                 "both": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio, "block_size": block_size,
+                "keep_invalid_utf8": keep_invalid_utf8,
             })
     plan_keys = ("corpus", "src_off", "tgt_off", "n_lines", "index")
     plan = {"languages": languages, "params": params, "tasks": [{k: t[k] for k in plan_keys} for t in tasks]}
@@ -272,28 +278,39 @@ def prepare_parallel(
     else:
         atomic_write_bytes(plan_path, json.dumps(plan).encode())
 
+    # completion records, with the shard entry held as a ShardInfo (block tables as arrays: the
+    # main process stays small however many shards there are)
     records: dict[str, dict] = {}
+
+    def keep(rec: dict) -> dict:
+        if rec["shard"] is not None:
+            rec["shard"] = ShardInfo.from_dict(rec["shard"])
+        records[f"{rec['split']}-{rec['index']:06d}"] = rec
+        return rec
+
     todo = []
     for t in tasks:
         rec = _record_if_complete(out, t) if resume else None
         if rec is not None:
-            records[t["split_key"]] = rec
+            keep(rec)
         else:
             todo.append(t)
     bar = tqdm(total=sum(t["n_lines"] for t in tasks), desc=f"prepare {out}", unit="line", disable=not progress)
     bar.update(sum(r["counters"]["lines"] for r in records.values()))
     if workers == 1 or len(todo) <= 1:
         for t in todo:
-            rec = _run_task(t)
-            records[t["split_key"]] = rec
-            bar.update(rec["counters"]["lines"])
+            bar.update(keep(_run_task(t))["counters"]["lines"])
     else:
         with ProcessPoolExecutor(max_workers=workers) as ex:
-            futs = [ex.submit(_run_task, t) for t in todo]
-            for f in as_completed(futs):
-                rec = f.result()
-                records[f"{rec['split']}-{rec['index']:06d}"] = rec
-                bar.update(rec["counters"]["lines"])
+            pending = {ex.submit(_run_task, t) for t in todo[: 2 * workers]}
+            queue = iter(todo[2 * workers:])
+            while pending:  # a bounded number of tasks in flight: no future holds a result for long
+                done = next(as_completed(pending))
+                pending.remove(done)
+                bar.update(keep(done.result())["counters"]["lines"])
+                t = next(queue, None)
+                if t is not None:
+                    pending.add(ex.submit(_run_task, t))
     bar.close()
 
     # assemble the manifest in shard order
@@ -305,9 +322,8 @@ def prepare_parallel(
         si = splits.setdefault(rec["split"], SplitInfo(0, [], {}))
         if rec["shard"] is not None:
             sh = rec["shard"]
-            si.shards.append(ShardInfo(sh["name"], sh["sha256"], sh["bytes"], sh["n_examples"], sh["n_blocks"],
-                                       [BlockInfo(**b) for b in sh["blocks"]]))
-            si.n_examples += sh["n_examples"]
+            si.shards.append(sh)
+            si.n_examples += sh.n_examples
         for k, v in rec["directions"].items():
             d = si.directions.setdefault(k, DirectionStats())
             d.n += v["n"]
@@ -335,3 +351,84 @@ def prepare_opus100(root: str | Path, out: str | Path, *, langs: Sequence[str] |
     """OPUS-100 (``opus-100-corpus/v1.0/supervised``) -> shards; kwargs as ``prepare_parallel``."""
     corpora, source = opus100_corpora(root, langs)
     return prepare_parallel(corpora, out, source=source, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line: `scaletrain prepare` (the CLI adds these arguments and calls prepare_from_args)
+# ---------------------------------------------------------------------------------------------
+def _split_langs(s: str | None) -> list[str] | None:
+    return [x.strip() for x in s.split(",") if x.strip()] if s else None
+
+
+def corpora_from_args(args) -> tuple[list[ParallelCorpus], dict]:
+    """The line-aligned corpora named by moses / tsv arguments (and a source description)."""
+    src, tgt = args.src_lang, args.tgt_lang
+    if not src or not tgt:
+        raise ScaletrainError(f"--source {args.source} needs --src-lang and --tgt-lang (e.g. --src-lang de --tgt-lang en)")
+    if src == tgt:
+        raise ScaletrainError(f"--src-lang and --tgt-lang are both {src!r}")
+    corpora = []
+    if args.source == "moses":
+        if args.tsv_file or args.valid_tsv or args.test_tsv:
+            raise ScaletrainError("--tsv-file/--valid-tsv/--test-tsv belong to --source tsv, not moses")
+        if args.prefix and (args.src_file or args.tgt_file):
+            raise ScaletrainError("give either --prefix or --src-file/--tgt-file, not both")
+        if args.prefix:
+            corpora.append(ParallelCorpus("train", src, tgt, f"{args.prefix}.{src}", f"{args.prefix}.{tgt}"))
+        elif args.src_file and args.tgt_file:
+            corpora.append(ParallelCorpus("train", src, tgt, args.src_file, args.tgt_file))
+        else:
+            raise ScaletrainError("--source moses needs --prefix PREFIX (PREFIX.SRC_LANG, PREFIX.TGT_LANG) "
+                                  "or both --src-file and --tgt-file")
+        for split, pre in (("valid", args.valid_prefix), ("test", args.test_prefix)):
+            if pre:
+                corpora.append(ParallelCorpus(split, src, tgt, f"{pre}.{src}", f"{pre}.{tgt}"))
+    else:
+        if args.prefix or args.src_file or args.tgt_file or args.valid_prefix or args.test_prefix:
+            raise ScaletrainError("--prefix/--src-file/--tgt-file/--valid-prefix/--test-prefix belong to "
+                                  "--source moses, not tsv")
+        if not args.tsv_file:
+            raise ScaletrainError("--source tsv needs --tsv-file FILE (src<TAB>tgt per line)")
+        for split, path in (("train", args.tsv_file), ("valid", args.valid_tsv), ("test", args.test_tsv)):
+            if path:
+                corpora.append(ParallelCorpus(split, src, tgt, tsv_path=path))
+    return corpora, {"type": args.source}
+
+
+def prepare_from_args(args) -> int:
+    """Run ``prepare`` for parsed ``add_prepare_arguments`` args; prints a summary, returns 0."""
+    source = args.source
+    out = args.out or DEFAULT_OUT.get(source)
+    if out is None:
+        raise ScaletrainError(f"--source {source} needs --out DIR")
+    progress = not getattr(args, "no_progress", False)
+    langs = _split_langs(args.langs)
+    if source == "gettext":
+        if args.resume or args.workers != 1 or args.opus_root:
+            raise ScaletrainError("--resume, --workers and --opus-root are for line-aligned sources "
+                                  "(--source opus100/moses/tsv); gettext catalogs are small and read in one pass")
+        m = prepare_gettext(package=args.package, langs=langs, out=out, overwrite=args.overwrite,
+                            valid_frac=args.valid_frac, test_frac=args.test_frac, seed=args.seed,
+                            progress=progress, locale_dir=args.locale_dir)
+    else:
+        kw = dict(both_directions=not args.one_direction, max_bytes=args.max_bytes, max_ratio=args.max_ratio,
+                  keep_invalid_utf8=args.keep_invalid_utf8, shard_lines=args.shard_lines,
+                  block_size=args.block_size, workers=args.workers, overwrite=args.overwrite, resume=args.resume,
+                  progress=progress)
+        if source == "opus100":
+            if not args.opus_root:
+                raise ScaletrainError("--source opus100 needs --opus-root DIR (the OPUS-100 release folder)")
+            m = prepare_opus100(args.opus_root, out, langs=langs, **kw)
+        else:
+            if langs:
+                raise ScaletrainError(f"--langs is for gettext and opus100; --source {source} uses "
+                                      "--src-lang/--tgt-lang")
+            corpora, src = corpora_from_args(args)
+            m = prepare_parallel(corpora, out, source=src, **kw)
+    n = {s: info.n_examples for s, info in m.splits.items()}
+    print(f"wrote {out}: {len(m.languages)} languages, {sum(n.values()):,} examples "
+          f"({', '.join(f'{s} {v:,}' for s, v in n.items())})")
+    no_eval = m.source.get("no_eval") if isinstance(m.source, dict) else None
+    if no_eval:
+        print(f"train only (no valid/test, left out of evaluation): {', '.join(no_eval)}")
+    return 0

@@ -8,26 +8,34 @@ Layout of an output directory::
 Each tar member is one *block* named ``{split}-{shard:06d}-{block:06d}.pairs`` (WebDataset key
 ``{split}-{shard:06d}-{block:06d}``, extension ``pairs``). Block format, little endian::
 
-    magic b"STPB" | version u16 | flags u16 (0) | n u32          (12-byte header)
-    src_lang u16[n] | tgt_lang u16[n] | src_len u32[n] | tgt_len u32[n]
+    magic b"STPB" | version u16 | flags u16 | n u32              (12-byte header)
+    src_lang L[n] | tgt_lang L[n] | src_len W[n] | tgt_len W[n]
     all source bytes (concatenated) | all target bytes (concatenated)
 
-so a reader decodes a block with a handful of ``np.frombuffer`` calls, and the lengths (for
-batch planning) are readable from the first ``12 + 12 n`` bytes alone. Tar headers are
-deterministic (mtime 0, uid/gid 0, empty user/group names, mode 0644, ustar), so the same input
-gives byte-identical shards. The manifest records each member's data offset and size, so a block
-can be read with one seek.
+where the flags give the array widths: ``L`` is u8 if bit 0 (``FLAG_LANG_U8``) is set, else u16;
+``W`` is u8 if bit 2 (``FLAG_LEN_U8``), u16 if bit 1 (``FLAG_LEN_U16``), else u32; with bit 3
+(``FLAG_LEN_U8X``) ``W`` is u8 where 255 means "see the overflow table": the escaped lengths follow
+the four arrays as u32, in order (source escapes, then target escapes). The writer
+picks the narrowest widths that hold the block (short sentences cost 4 bytes of arrays per
+example instead of 12); flags 0 is the full-width layout. Decoded arrays are always u16 / u32.
+A reader decodes a block with a handful of ``np.frombuffer`` calls, and the lengths (for batch
+planning) are readable from the first ``12 + 12 n`` bytes alone (fewer when narrow). Tar
+headers are deterministic (mtime 0, uid/gid 0, empty user/group names, mode 0644, ustar) and the
+archive ends right after its two zero blocks (no padding to tar's 10 KiB record size), so the
+same input gives byte-identical shards. The manifest records each member's data offset and
+size, so a block can be read with one seek.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
-import io
 import json
 import os
 import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, overload
 
 import numpy as np
 
@@ -38,8 +46,15 @@ from scaletrain.errors import ScaletrainError
 BLOCK_MAGIC = b"STPB"
 BLOCK_VERSION = 1
 HEADER_BYTES = 12
+FLAG_LANG_U8 = 1
+FLAG_LEN_U16 = 2
+FLAG_LEN_U8 = 4
+FLAG_LEN_U8X = 8
+_KNOWN_FLAGS = FLAG_LANG_U8 | FLAG_LEN_U16 | FLAG_LEN_U8 | FLAG_LEN_U8X
+_LEN_FLAGS = FLAG_LEN_U16 | FLAG_LEN_U8 | FLAG_LEN_U8X
 FORMAT_NAME = "scaletrain-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block tables as arrays (1: a list of objects; still read)
+READ_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 SPLITS = ("train", "valid", "test")
 MAX_LANGS = 65535
@@ -48,8 +63,8 @@ MAX_LANGS = 65535
 # ---------------------------------------------------------------------------------------------
 # blocks
 # ---------------------------------------------------------------------------------------------
-def encode_block(examples: Sequence[Example]) -> bytes:
-    """Pack examples into one block (see module doc)."""
+def encode_block(examples: Sequence[Example], *, compact: bool = True) -> bytes:
+    """Pack examples into one block (see module doc); ``compact=False`` forces the full widths."""
     n = len(examples)
     if n == 0:
         raise ValueError("cannot encode an empty block")
@@ -57,7 +72,26 @@ def encode_block(examples: Sequence[Example]) -> bytes:
     tgt_lang = np.fromiter((e.tgt_lang for e in examples), dtype="<u2", count=n)
     src_len = np.fromiter((len(e.src) for e in examples), dtype="<u4", count=n)
     tgt_len = np.fromiter((len(e.tgt) for e in examples), dtype="<u4", count=n)
-    head = BLOCK_MAGIC + np.array([BLOCK_VERSION, 0], dtype="<u2").tobytes() + np.uint32(n).astype("<u4").tobytes()
+    flags = 0
+    overflow = np.zeros(0, "<u4")
+    if compact:
+        if max(int(src_lang.max()), int(tgt_lang.max())) < 256:
+            flags |= FLAG_LANG_U8
+            src_lang, tgt_lang = src_lang.astype("u1"), tgt_lang.astype("u1")
+        longest = max(int(src_len.max()), int(tgt_len.max()))
+        if longest < 256:
+            flags |= FLAG_LEN_U8
+            src_len, tgt_len = src_len.astype("u1"), tgt_len.astype("u1")
+        else:
+            n_esc = int((src_len >= 255).sum() + (tgt_len >= 255).sum())
+            if 4 * n_esc < 2 * n or longest >= 65536:  # u8 + overflow table is smaller than u16
+                flags |= FLAG_LEN_U8X
+                overflow = np.concatenate([src_len[src_len >= 255], tgt_len[tgt_len >= 255]]).astype("<u4")
+                src_len, tgt_len = np.minimum(src_len, 255).astype("u1"), np.minimum(tgt_len, 255).astype("u1")
+            else:
+                flags |= FLAG_LEN_U16
+                src_len, tgt_len = src_len.astype("<u2"), tgt_len.astype("<u2")
+    head = BLOCK_MAGIC + np.array([BLOCK_VERSION, flags], dtype="<u2").tobytes() + np.uint32(n).astype("<u4").tobytes()
     return b"".join(
         [
             head,
@@ -65,10 +99,17 @@ def encode_block(examples: Sequence[Example]) -> bytes:
             tgt_lang.tobytes(),
             src_len.tobytes(),
             tgt_len.tobytes(),
+            overflow.tobytes(),
             b"".join(e.src for e in examples),
             b"".join(e.tgt for e in examples),
         ]
     )
+
+
+def _widths(flags: int) -> tuple[str, str]:
+    lang = "u1" if flags & FLAG_LANG_U8 else "<u2"
+    length = "u1" if flags & (FLAG_LEN_U8 | FLAG_LEN_U8X) else ("<u2" if flags & FLAG_LEN_U16 else "<u4")
+    return lang, length
 
 
 @dataclass
@@ -108,36 +149,59 @@ class PairBlock(BlockLengths):
         return [Example(sl[i], tl[i], s[so[i] : so[i + 1]], t[to[i] : to[i + 1]]) for i in idx]
 
 
-def _parse_header(buf: bytes, where: str) -> int:
+def _parse_header(buf: bytes, where: str) -> tuple[int, int]:
+    """(n, flags) of a block."""
     if len(buf) < HEADER_BYTES:
         raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, header needs {HEADER_BYTES})")
     if buf[:4] != BLOCK_MAGIC:
         raise ScaletrainError(f"{where}: not a scaletrain block (magic {buf[:4]!r}, expected {BLOCK_MAGIC!r})")
-    version = int(np.frombuffer(buf, dtype="<u2", count=1, offset=4)[0])
+    version, flags = np.frombuffer(buf, dtype="<u2", count=2, offset=4).tolist()
     if version != BLOCK_VERSION:
         raise ScaletrainError(f"{where}: block format version {version}, this scaletrain reads {BLOCK_VERSION}")
-    return int(np.frombuffer(buf, dtype="<u4", count=1, offset=8)[0])
+    if flags & ~_KNOWN_FLAGS or bin(flags & _LEN_FLAGS).count("1") > 1:
+        raise ScaletrainError(f"{where}: unknown block flags {flags:#x}; the shard is corrupt or from a newer scaletrain")
+    return int(np.frombuffer(buf, dtype="<u4", count=1, offset=8)[0]), flags
+
+
+def _decode_arrays(buf: bytes, where: str) -> tuple[BlockLengths, int]:
+    """The per-example arrays (always u16 languages, u32 lengths) and the offset where text starts."""
+    n, flags = _parse_header(buf, where)
+    lang, length = _widths(flags)
+    lw, nw = np.dtype(lang).itemsize, np.dtype(length).itemsize
+    need = HEADER_BYTES + 2 * n * (lw + nw)
+    if len(buf) < need:
+        raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need})")
+    o = HEADER_BYTES
+    src_lang = np.frombuffer(buf, lang, n, o)
+    tgt_lang = np.frombuffer(buf, lang, n, o + lw * n)
+    src_len = np.frombuffer(buf, length, n, o + 2 * lw * n)
+    tgt_len = np.frombuffer(buf, length, n, o + 2 * lw * n + nw * n)
+    if lw != 2:
+        src_lang, tgt_lang = src_lang.astype("<u2"), tgt_lang.astype("<u2")
+    if flags & FLAG_LEN_U8X:
+        es, et = np.flatnonzero(src_len == 255), np.flatnonzero(tgt_len == 255)
+        k = len(es) + len(et)
+        if len(buf) < need + 4 * k:
+            raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need + 4 * k})")
+        overflow = np.frombuffer(buf, "<u4", k, need)
+        src_len, tgt_len = src_len.astype("<u4"), tgt_len.astype("<u4")
+        src_len[es] = overflow[: len(es)]
+        tgt_len[et] = overflow[len(es):]
+        need += 4 * k
+    elif nw != 4:
+        src_len, tgt_len = src_len.astype("<u4"), tgt_len.astype("<u4")
+    return BlockLengths(src_lang, tgt_lang, src_len, tgt_len), need
 
 
 def decode_lengths(buf: bytes, where: str = "block") -> BlockLengths:
     """Decode only the header and the per-example arrays (``buf`` may be just the first 12+12n bytes)."""
-    n = _parse_header(buf, where)
-    need = HEADER_BYTES + 12 * n
-    if len(buf) < need:
-        raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need})")
-    o = HEADER_BYTES
-    src_lang = np.frombuffer(buf, "<u2", n, o)
-    tgt_lang = np.frombuffer(buf, "<u2", n, o + 2 * n)
-    src_len = np.frombuffer(buf, "<u4", n, o + 4 * n)
-    tgt_len = np.frombuffer(buf, "<u4", n, o + 8 * n)
-    return BlockLengths(src_lang, tgt_lang, src_len, tgt_len)
+    return _decode_arrays(buf, where)[0]
 
 
 def decode_block(buf: bytes, where: str = "block") -> PairBlock:
     """Decode a whole block with array operations; malformed input raises ScaletrainError."""
-    h = decode_lengths(buf, where)
+    h, o = _decode_arrays(buf, where)
     n = len(h)
-    o = HEADER_BYTES + 12 * n
     src_off = np.zeros(n + 1, dtype=np.int64)
     tgt_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(h.src_len, out=src_off[1:])
@@ -165,6 +229,84 @@ class BlockInfo:
     n: int
 
 
+class BlockTable(Sequence[BlockInfo]):
+    """The blocks of one shard, held as three int64 arrays (constant memory per block).
+
+    A sequence of ``BlockInfo`` built on access; block ``i`` of shard ``{split}-{k:06d}.tar`` has
+    the key ``{split}-{k:06d}-{i:06d}``. Compares equal to another table or a list of BlockInfo
+    with the same entries.
+    """
+
+    __slots__ = ("stem", "offset", "size", "n")
+
+    def __init__(self, stem: str, offset, size, n):
+        self.stem = stem
+        self.offset = np.asarray(offset, dtype=np.int64).reshape(-1)
+        self.size = np.asarray(size, dtype=np.int64).reshape(-1)
+        self.n = np.asarray(n, dtype=np.int64).reshape(-1)
+        if not (len(self.offset) == len(self.size) == len(self.n)):
+            raise ValueError("block table arrays differ in length")
+
+    @classmethod
+    def from_blocks(cls, stem: str, blocks: Sequence[BlockInfo]) -> "BlockTable":
+        for i, b in enumerate(blocks):
+            if b.key != f"{stem}-{i:06d}":
+                raise ScaletrainError(f"block {i} of {stem}.tar is named {b.key!r}, expected {stem}-{i:06d}")
+        return cls(stem, [b.offset for b in blocks], [b.size for b in blocks], [b.n for b in blocks])
+
+    def __len__(self) -> int:
+        return int(self.n.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> BlockInfo: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[BlockInfo]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return BlockInfo(f"{self.stem}-{i:06d}", int(self.offset[i]), int(self.size[i]), int(self.n[i]))
+
+    def __iter__(self) -> Iterator[BlockInfo]:
+        for i, (o, s, n) in enumerate(zip(self.offset.tolist(), self.size.tolist(), self.n.tolist())):
+            yield BlockInfo(f"{self.stem}-{i:06d}", o, s, n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, BlockTable):
+            return (self.stem == other.stem and np.array_equal(self.offset, other.offset)
+                    and np.array_equal(self.size, other.size) and np.array_equal(self.n, other.n))
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.stem!r}, {len(self)} blocks)"
+
+    # in the manifest: little-endian arrays, base64 (a 55M-pair corpus has ~120k blocks; as JSON
+    # lists of numbers they would cost ~15 MB of Python objects while loading the manifest)
+    _DTYPES = {"offset": "<i8", "size": "<u4", "n": "<u4"}
+
+    def to_dict(self) -> dict:
+        out = {"encoding": "base64 little-endian: offset int64, size uint32, n uint32"}
+        for k, dt in self._DTYPES.items():
+            out[k] = base64.b64encode(getattr(self, k).astype(dt).tobytes()).decode("ascii")
+        return out
+
+    @classmethod
+    def from_dict(cls, stem: str, d: dict) -> "BlockTable":
+        """Arrays as written by ``to_dict``, or plain JSON lists of numbers."""
+        arrs = {}
+        for k, dt in cls._DTYPES.items():
+            v = d[k]
+            arrs[k] = np.frombuffer(base64.b64decode(v, validate=True), dt) if isinstance(v, str) else np.asarray(v)
+        return cls(stem, arrs["offset"], arrs["size"], arrs["n"])
+
+
 @dataclass
 class ShardInfo:
     name: str
@@ -172,7 +314,29 @@ class ShardInfo:
     bytes: int
     n_examples: int
     n_blocks: int
-    blocks: list[BlockInfo]
+    blocks: BlockTable  # a list of BlockInfo is converted
+
+    def __post_init__(self):
+        if not isinstance(self.blocks, BlockTable):
+            self.blocks = BlockTable.from_blocks(self.name[: -len(".tar")], list(self.blocks))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "sha256": self.sha256, "bytes": self.bytes, "n_examples": self.n_examples,
+                "n_blocks": self.n_blocks, "blocks": self.blocks.to_dict()}
+
+    @classmethod
+    def from_dict(cls, sh: dict) -> "ShardInfo":
+        b = sh["blocks"]
+        stem = str(sh["name"])[: -len(".tar")]
+        if isinstance(b, dict):  # format 2
+            table = BlockTable.from_dict(stem, b)
+        else:  # format 1: a list of {key, offset, size, n}
+            table = BlockTable.from_blocks(stem, [BlockInfo(x["key"], int(x["offset"]), int(x["size"]), int(x["n"]))
+                                                  for x in b])
+        if len(table) != int(sh["n_blocks"]):
+            raise ValueError(f"shard {sh['name']}: {len(table)} blocks listed, n_blocks says {sh['n_blocks']}")
+        return cls(str(sh["name"]), str(sh["sha256"]), int(sh["bytes"]), int(sh["n_examples"]), int(sh["n_blocks"]),
+                   table)
 
 
 @dataclass
@@ -220,7 +384,11 @@ class Manifest:
             "format_version": self.format_version,
             "scaletrain_version": self.scaletrain_version,
             "languages": list(self.languages),
-            "splits": {k: asdict(v) for k, v in self.splits.items()},
+            "splits": {
+                k: {"n_examples": v.n_examples, "shards": [sh.to_dict() for sh in v.shards],
+                    "directions": {d: asdict(x) for d, x in v.directions.items()}}
+                for k, v in self.splits.items()
+            },
             "cleaning": self.cleaning,
             "source": self.source,
             "params": self.params,
@@ -232,20 +400,14 @@ class Manifest:
         try:
             if d.get("format") != FORMAT_NAME:
                 raise ScaletrainError(f"{where}: not a scaletrain shard manifest (format={d.get('format')!r})")
-            if d["format_version"] != FORMAT_VERSION:
+            if d["format_version"] not in READ_FORMAT_VERSIONS:
                 raise ScaletrainError(
-                    f"{where}: manifest format version {d['format_version']}, this scaletrain reads {FORMAT_VERSION}; "
-                    "re-run `prepare`"
+                    f"{where}: manifest format version {d['format_version']}, this scaletrain reads "
+                    f"{', '.join(map(str, READ_FORMAT_VERSIONS))}; re-run `prepare`"
                 )
             splits = {}
             for name, s in d["splits"].items():
-                shards = [
-                    ShardInfo(
-                        sh["name"], sh["sha256"], int(sh["bytes"]), int(sh["n_examples"]), int(sh["n_blocks"]),
-                        [BlockInfo(b["key"], int(b["offset"]), int(b["size"]), int(b["n"])) for b in sh["blocks"]],
-                    )
-                    for sh in s["shards"]
-                ]
+                shards = [ShardInfo.from_dict(sh) for sh in s["shards"]]
                 dirs = {
                     k: DirectionStats(int(v["n"]), int(v["src_bytes"]), int(v["tgt_bytes"]))
                     for k, v in s["directions"].items()
@@ -257,12 +419,12 @@ class Manifest:
                 cleaning=d.get("cleaning", {}),
                 source=d.get("source", {}),
                 params=d.get("params", {}),
-                format_version=int(d["format_version"]),
+                format_version=FORMAT_VERSION,
                 scaletrain_version=str(d["scaletrain_version"]),
             )
         except ScaletrainError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, binascii.Error) as e:
             raise ScaletrainError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); re-run `prepare`") from None
 
 
@@ -312,15 +474,21 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
 
 
 def build_tar(members: Sequence[tuple[str, bytes]]) -> tuple[bytes, list[tuple[str, int, int]]]:
-    """Deterministic tar bytes and (name, data offset, size) of each member."""
-    bio = io.BytesIO()
-    with tarfile.open(fileobj=bio, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members:
-            tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
-    raw = bio.getvalue()
-    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
-        info = [(m.name, m.offset_data, m.size) for m in tar.getmembers()]
-    return raw, info
+    """Deterministic ustar bytes and (name, data offset, size) of each member.
+
+    Each member is a 512-byte header, its data, zero padding to 512; the archive ends with the two
+    zero blocks tar requires and no further padding to a 10 KiB record.
+    """
+    parts: list[bytes] = []
+    info = []
+    pos = 0
+    for name, data in members:
+        head = _tarinfo(name, len(data)).tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+        parts += [head, data, b"\0" * (-len(data) % tarfile.BLOCKSIZE)]
+        info.append((name, pos + len(head), len(data)))
+        pos += len(head) + len(data) + (-len(data) % tarfile.BLOCKSIZE)
+    parts.append(b"\0" * (2 * tarfile.BLOCKSIZE))
+    return b"".join(parts), info
 
 
 def shard_name(split: str, index: int) -> str:
@@ -347,6 +515,7 @@ class SplitWriter:
         self.first_index = first_index  # number of the first shard written (parallel writers)
         self.shards: list[ShardInfo] = []
         self.directions: dict[str, DirectionStats] = {}
+        self._dir_stats: dict[tuple[int, int], DirectionStats] = {}  # (src, tgt) index -> its entry above
         self._block: list[Example] = []
         self._block_bytes = 0
         self._members: list[tuple[str, bytes, int]] = []  # (name, data, n)
@@ -354,17 +523,22 @@ class SplitWriter:
         self.n_examples = 0
 
     def add(self, ex: Example) -> None:
-        nl = len(self.languages)
-        if not (0 <= ex.src_lang < nl and 0 <= ex.tgt_lang < nl):
-            raise ScaletrainError(f"example language index out of range 0..{nl - 1}: {ex.src_lang}, {ex.tgt_lang}")
+        d = self._dir_stats.get((ex.src_lang, ex.tgt_lang))
+        if d is None:
+            nl = len(self.languages)
+            if not (0 <= ex.src_lang < nl and 0 <= ex.tgt_lang < nl):
+                raise ScaletrainError(f"example language index out of range 0..{nl - 1}: {ex.src_lang}, {ex.tgt_lang}")
+            d = self.directions.setdefault(f"{self.languages[ex.src_lang]}-{self.languages[ex.tgt_lang]}",
+                                           DirectionStats())
+            self._dir_stats[(ex.src_lang, ex.tgt_lang)] = d
+        ls, lt = len(ex.src), len(ex.tgt)
+        d.n += 1
+        d.src_bytes += ls
+        d.tgt_bytes += lt
         self._block.append(ex)
-        self._block_bytes += len(ex.src) + len(ex.tgt) + 12
+        self._block_bytes += ls + lt + 12
         self._shard_n += 1
         self.n_examples += 1
-        d = self.directions.setdefault(f"{self.languages[ex.src_lang]}-{self.languages[ex.tgt_lang]}", DirectionStats())
-        d.n += 1
-        d.src_bytes += len(ex.src)
-        d.tgt_bytes += len(ex.tgt)
         if len(self._block) >= self.block_size or self._block_bytes >= self.max_block_bytes:
             self._flush_block()
         if self._shard_n >= self.shard_size:
@@ -389,9 +563,8 @@ class SplitWriter:
         name = shard_name(self.split, self.first_index + len(self.shards))
         raw, info = build_tar([(m, d) for m, d, _ in self._members])
         atomic_write_bytes(self.out / name, raw)
-        blocks = [
-            BlockInfo(m.rsplit(".", 1)[0], off, size, n) for (m, off, size), (_, _, n) in zip(info, self._members)
-        ]
+        blocks = BlockTable(name[: -len(".tar")], [off for _, off, _ in info], [size for _, _, size in info],
+                            [n for _, _, n in self._members])
         sh = ShardInfo(name, hashlib.sha256(raw).hexdigest(), len(raw), self._shard_n, len(blocks), blocks)
         self.shards.append(sh)
         self._members = []
@@ -428,7 +601,7 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
 def read_block(shard_dir: str | Path, shard: ShardInfo, block: BlockInfo, *, lengths_only: bool = False):
     """Read one block by its manifest offset (one seek); ``lengths_only`` reads just the header arrays."""
     path = Path(shard_dir) / shard.name
-    want = HEADER_BYTES + 12 * block.n if lengths_only else block.size
+    want = min(HEADER_BYTES + 12 * block.n, block.size) if lengths_only else block.size
     try:
         with open(path, "rb") as f:
             f.seek(block.offset)

@@ -10,10 +10,11 @@ How an epoch is laid out (every rank computes the same plan, no communication ne
    blocks go round robin), so example counts stay balanced.
 3. Each rank reads its own blocks fully, and only the length arrays (first ``12 + 12 n`` bytes) of
    the other ranks' blocks. For every rank of the window it computes the same batch plan:
-   shuffle the examples (RNG seeded by ``(seed, epoch, window, rank)``), sort them by padded length
-   (key: the longer side, then the sum; stable, so ties stay shuffled), cut greedy batches with
-   ``B * (S + T) <= max_tokens`` where S and T are the padded source/target lengths
-   (``Batch.padded_tokens``), then shuffle the batch order.
+   shuffle the examples (RNG seeded by ``(seed, epoch, window, rank)``), sort them along a Hilbert
+   curve over (source length, target length) (stable, so ties stay shuffled: consecutive examples
+   are close in *both* lengths, which a sort by one key cannot give when a window mixes scripts
+   and both directions), cut greedy batches with ``B * (S + T) <= max_tokens`` where S and T are
+   the padded source/target lengths (``Batch.padded_tokens``), then shuffle the batch order.
 4. Equal batch counts: every rank of a window ends with ``max`` of the counts. A rank with fewer
    batches splits its largest batches in two (halves still fit the budget, no example is lost or
    repeated). Only when a rank has fewer examples than the target count (a split with fewer
@@ -43,11 +44,61 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from scaletrain.data.batch import Batch, Example, collate
+from scaletrain.data.batch import Batch, Example, collate_arrays
 from scaletrain.data.shards import load_manifest, read_block
 from scaletrain.errors import ScaletrainError
+from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
 
 STATE_VERSION = 1
+
+
+def hilbert_index(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Position of each integer point (x, y) >= 0 along a Hilbert curve (vectorised)."""
+    x = np.asarray(x, dtype=np.int64).copy()
+    y = np.asarray(y, dtype=np.int64).copy()
+    if x.size == 0:
+        return np.zeros(0, np.int64)
+    n = 1 << max(1, int(max(int(x.max()), int(y.max()))).bit_length())
+    d = np.zeros_like(x)
+    s = n >> 1
+    while s > 0:
+        rx = (x & s) > 0
+        ry = (y & s) > 0
+        d += s * s * ((3 * rx.astype(np.int64)) ^ ry.astype(np.int64))
+        low = ~ry
+        flip = low & rx
+        x = np.where(flip, n - 1 - x, x)
+        y = np.where(flip, n - 1 - y, y)
+        x, y = np.where(low, y, x), np.where(low, x, y)
+        s >>= 1
+    return d
+
+
+def greedy_cut(s: np.ndarray, t: np.ndarray, max_tokens: int) -> list[int]:
+    """Batch boundaries [0, ..., n] of the greedy cut: a batch grows while ``rows * (max s + max t)``
+    stays within ``max_tokens`` (a lone example always makes a batch). Vectorised per batch with
+    running maxima over a doubling look-ahead, instead of a Python step per example."""
+    n = int(len(s))
+    bounds = [0]
+    a, k = 0, 64
+    while a < n:
+        while True:
+            e = min(n, a + k)
+            cost = np.arange(1, e - a + 1) * (np.maximum.accumulate(s[a:e]) + np.maximum.accumulate(t[a:e]))
+            over = cost > max_tokens
+            over[0] = False
+            j = int(np.argmax(over))
+            if j > 0:
+                b = a + j
+                break
+            if e == n:
+                b = n
+                break
+            k *= 2
+        bounds.append(b)
+        k = max(64, 2 * (b - a))
+        a = b
+    return bounds
 
 
 def plan_batches(
@@ -56,6 +107,7 @@ def plan_batches(
     """Bucket by length and cut token-budget batches; returns arrays of example indices.
 
     ``src_len`` / ``tgt_len`` are padded lengths (with tag/EOS). ``rng=None``: no shuffling.
+    Examples are ordered along a Hilbert curve over (src, tgt) length, then cut greedily.
     """
     n = int(src_len.shape[0])
     if n == 0:
@@ -63,19 +115,9 @@ def plan_batches(
     order = rng.permutation(n) if rng is not None else np.arange(n)
     s = src_len[order].astype(np.int64)
     t = tgt_len[order].astype(np.int64)
-    key = np.lexsort((s + t, np.maximum(s, t)))  # stable: ties keep the shuffled order
-    order, s, t = order[key], s[key].tolist(), t[key].tolist()
-    bounds = [0]
-    ms = mt = 0
-    count = 0
-    for i in range(n):
-        ns, nt = max(ms, s[i]), max(mt, t[i])
-        if count and (count + 1) * (ns + nt) > max_tokens:
-            bounds.append(i)
-            ms, mt, count = s[i], t[i], 1
-        else:
-            ms, mt, count = ns, nt, count + 1
-    bounds.append(n)
+    key = np.argsort(hilbert_index(s, t), kind="stable")  # stable: ties keep the shuffled order
+    order = order[key]
+    bounds = greedy_cut(s[key], t[key], max_tokens)
     batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     if rng is not None:
         batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -96,18 +138,48 @@ def equalise(batches: list[np.ndarray], target: int) -> list[np.ndarray]:
     return batches
 
 
+class _Pool:
+    """The examples of one slot's blocks in a window, as flat arrays (for vectorised collate)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+        self.starts = np.cumsum([0] + [len(b) for b in blocks])
+        cat = lambda arrs, dt: np.concatenate(arrs).astype(dt, copy=False) if arrs else np.zeros(0, dt)  # noqa: E731
+        self.src_lang = cat([b.src_lang for b in blocks], np.int64)
+        self.tgt_lang = cat([b.tgt_lang for b in blocks], np.int64)
+        self.src_len = cat([b.src_len for b in blocks], np.int64)
+        self.tgt_len = cat([b.tgt_len for b in blocks], np.int64)
+        # token ids (byte + BYTE_OFFSET) as int16, computed once per window
+        self.src_data = np.frombuffer(b"".join(b.src_data for b in blocks), dtype=np.uint8).astype(np.int16)
+        self.tgt_data = np.frombuffer(b"".join(b.tgt_data for b in blocks), dtype=np.uint8).astype(np.int16)
+        self.src_data += BYTE_OFFSET
+        self.tgt_data += BYTE_OFFSET
+        self.src_start = np.cumsum(self.src_len) - self.src_len
+        self.tgt_start = np.cumsum(self.tgt_len) - self.tgt_len
+
+    def collate(self, idx: np.ndarray, max_bytes: int) -> Batch:
+        return collate_arrays(self.src_lang[idx], self.tgt_lang[idx], self.src_data, self.src_start[idx],
+                              self.src_len[idx], self.tgt_data, self.tgt_start[idx], self.tgt_len[idx], max_bytes)
+
+    def examples(self, idx: np.ndarray) -> list[Example]:
+        bi = np.searchsorted(self.starts, idx, side="right") - 1
+        return [self.blocks[b].example(int(i - self.starts[b])) for b, i in zip(bi.tolist(), idx.tolist())]
+
+
 @dataclass
 class _WindowPlan:
     epoch: int
     window: int
     batches: list  # list of (source slot, index array): the slot's examples they index
-    pools: dict  # slot -> (list[PairBlock], starts ndarray)
+    pools: dict  # slot -> _Pool
 
     def examples(self, item) -> list[Example]:
         slot, idx = item
-        blocks, starts = self.pools[slot]
-        bi = np.searchsorted(starts, idx, side="right") - 1
-        return [blocks[b].example(int(i - starts[b])) for b, i in zip(bi.tolist(), idx.tolist())]
+        return self.pools[slot].examples(idx)
+
+    def batch(self, item, max_bytes: int) -> Batch:
+        slot, idx = item
+        return self.pools[slot].collate(idx, max_bytes)
 
 
 class ShardStream:
@@ -148,15 +220,22 @@ class ShardStream:
         self.manifest = load_manifest(shard_dir)
         self.split = split
         info = self.manifest.split(split)
-        self.blocks = [(sh, b) for sh in info.shards for b in sh.blocks]
-        if not self.blocks:
+        # the split's blocks as flat arrays (constant memory per block): shard number, block number
+        # within the shard, examples
+        self._shards = info.shards
+        counts = np.array([len(sh.blocks) for sh in info.shards], dtype=np.int64)
+        self._b_shard = np.repeat(np.arange(len(counts)), counts)
+        self._b_index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        self._b_n = np.concatenate([sh.blocks.n for sh in info.shards]) if len(counts) else np.zeros(0, np.int64)
+        self.n_blocks = int(counts.sum())
+        if not self.n_blocks or not int(self._b_n.sum()):
             raise ScaletrainError(f"split {split!r} of {shard_dir} has no examples")
         self.rank, self.world_size = rank, world_size
         self.seed, self.max_tokens, self.max_bytes = seed, max_tokens, max_bytes
         self.buffer_size, self.epochs, self.drop_last, self.shuffle = buffer_size, epochs, drop_last, shuffle
         self.temperature = float(temperature)
         self._weights = self._direction_weights()
-        self.n_windows = -(-len(self.blocks) // (buffer_size * world_size))
+        self.n_windows = -(-self.n_blocks // (buffer_size * world_size))
         self._epoch = self._window = self._batch = 0
         self._plan: _WindowPlan | None = None
 
@@ -166,18 +245,18 @@ class ShardStream:
         return self._epoch
 
     def _block_order(self, epoch: int) -> np.ndarray:
-        n = len(self.blocks)
+        n = self.n_blocks
         if not self.shuffle:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, 0xB10C]).permutation(n)
 
     def _slot_blocks(self, epoch: int, window: int) -> list[list[int]]:
-        n, nw = len(self.blocks), self.n_windows
+        n, nw = self.n_blocks, self.n_windows
         chunk = self._block_order(epoch)[window * n // nw : (window + 1) * n // nw].tolist()
         # balance example counts: biggest block first to the slot with the fewest examples so far
         # (equal-size blocks simply go round robin); ties keep the permuted order, and the slot that
         # wins a tie rotates with the window so no rank systematically gets the extra block
-        sizes = [self.blocks[i][1].n for i in chunk]
+        sizes = self._b_n[chunk].tolist()
         S = self.world_size
         slots: list[list[int]] = [[] for _ in range(S)]
         load = [0] * S
@@ -188,8 +267,13 @@ class ShardStream:
             load[s] += sizes[j]
         return slots
 
+    def block(self, i: int):
+        """(ShardInfo, BlockInfo) of block ``i`` of the split (manifest order)."""
+        sh = self._shards[int(self._b_shard[i])]
+        return sh, sh.blocks[int(self._b_index[i])]
+
     def _read(self, block_ids: list[int], lengths_only: bool):
-        return [read_block(self.shard_dir, *self.blocks[i], lengths_only=lengths_only) for i in block_ids]
+        return [read_block(self.shard_dir, *self.block(i), lengths_only=lengths_only) for i in block_ids]
 
     def _lengths(self, blocks) -> tuple[np.ndarray, np.ndarray]:
         if not blocks:
@@ -241,8 +325,7 @@ class ShardStream:
         for s, ids in enumerate(slots):
             blocks = self._read(ids, lengths_only=(s != me))
             if s == me:
-                starts = np.cumsum([0] + [len(b) for b in blocks])
-                pools[me] = (blocks, starts)
+                pools[me] = _Pool(blocks)
             plans.append(self._slot_batches(blocks, epoch, window, s))
         counts = [len(p) for p in plans]
         target = min(counts) if self.drop_last else max(counts)
@@ -250,8 +333,7 @@ class ShardStream:
         if len(mine) < target:  # fewer examples than batches needed: repeat batches (documented)
             donor = me if plans[me] else next(s for s, p in enumerate(plans) if p)
             if donor not in pools:
-                blocks = self._read(slots[donor], lengths_only=False)
-                pools[donor] = (blocks, np.cumsum([0] + [len(b) for b in blocks]))
+                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False))
             src = list(mine) if donor == me else [(donor, b) for b in plans[donor]]
             i = 0
             while len(mine) < target:
@@ -274,7 +356,7 @@ class ShardStream:
             if self._batch < len(plan.batches):
                 empty_windows = 0
                 item = plan.batches[self._batch]
-                batch = collate(plan.examples(item), self.max_bytes)
+                batch = plan.batch(item, self.max_bytes)
                 self._advance(len(plan.batches))
                 yield batch
             else:
@@ -282,7 +364,7 @@ class ShardStream:
                 if empty_windows >= self.n_windows:
                     raise ScaletrainError(
                         f"an epoch of split {self.split!r} gives no batches on rank {self.rank} "
-                        f"(drop_last with {len(self.blocks)} blocks for {self.world_size} ranks?)"
+                        f"(drop_last with {self.n_blocks} blocks for {self.world_size} ranks?)"
                     )
                 self._advance(0)
 
@@ -318,7 +400,7 @@ class ShardStream:
             "drop_last": self.drop_last,
             "shuffle": self.shuffle,
             "temperature": self.temperature,
-            "n_blocks": len(self.blocks),
+            "n_blocks": self.n_blocks,
         }
 
     def state_dict(self) -> dict:
@@ -364,8 +446,36 @@ class _SlotDataset(torch.utils.data.IterableDataset):
                         **self.args[1])
         if self.positions[v] is not None:
             s.load_state_dict(self.positions[v])
+        packed = info is not None  # crossing a process boundary: send compact arrays, not tensors
         for batch in s:
-            yield v, s.state_dict(), batch
+            yield v, s.state_dict(), (_pack(batch) if packed else batch)
+
+
+def _identity(x):
+    return x
+
+
+def _pack(b: Batch) -> tuple:
+    """A batch as a few small numpy arrays (uint16 ids when they fit): pickled through the worker
+    queue by value, which is much cheaper than one shared-memory segment per tensor."""
+    dt = np.uint16 if int(b.src.max()) < 65536 and int(b.tgt_in.max()) < 65536 else np.int64
+    return (b.src.numpy().astype(dt), b.tgt_out.numpy().astype(dt), b.src_lang.numpy(), b.tgt_lang.numpy(),
+            b.n_src_tokens, b.n_tgt_tokens)
+
+
+def _unpack(p) -> Batch:
+    if isinstance(p, Batch):
+        return p
+    src, tgt_out, src_lang, tgt_lang, ns, nt = p
+    src = src.astype(np.int64)
+    tgt_out = tgt_out.astype(np.int64)
+    tgt_in = np.empty_like(tgt_out)
+    tgt_in[:, 0] = tgt_lang + LANG_OFFSET
+    tgt_in[:, 1:] = tgt_out[:, :-1]
+    tgt_in[:, 1:][tgt_out[:, :-1] == EOS] = PAD  # EOS is only ever the last real target token
+    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
+                 torch.from_numpy(np.asarray(src_lang, dtype=np.int64)),
+                 torch.from_numpy(np.asarray(tgt_lang, dtype=np.int64)), ns, nt)
 
 
 class ShardLoader:
@@ -406,11 +516,11 @@ class ShardLoader:
             it = iter(ds)
         else:
             it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                                  prefetch_factor=self.prefetch_factor))
+                                                  prefetch_factor=self.prefetch_factor, collate_fn=_identity))
         for v, pos, batch in it:
             self._positions[v] = pos
             self._next = (v + 1) % self.nw
-            yield batch
+            yield _unpack(batch)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "num_workers": self.nw, "next": self._next,

@@ -11,6 +11,9 @@ Filtering (``PairFilter``), per pair, first rule that fires is counted:
     ``empty``         either side empty after stripping surrounding whitespace
     ``too_long``      either side longer than ``max_bytes`` (default 800) bytes
     ``ratio``         ``max_ratio`` set and longer/shorter byte length above it
+
+With ``keep_invalid_utf8=True`` a pair with invalid UTF-8 is kept as raw bytes (ASCII whitespace
+stripped) when no other rule fires; it is counted as ``invalid_utf8_kept``.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import numpy as np
 from scaletrain.errors import ScaletrainError
 
 FILTER_REASONS = ("malformed", "invalid_utf8", "empty", "too_long", "ratio")
+KEPT_NOTES = ("invalid_utf8_kept",)  # "reasons" that are counted but do not drop the pair
 _CHUNK = 1 << 22
 
 
@@ -100,6 +104,7 @@ def read_tsv_range(path, off: int, n: int) -> Iterator[tuple[bytes, bytes] | Non
 class PairFilter:
     max_bytes: int = 800
     max_ratio: float | None = None
+    keep_invalid_utf8: bool = False
 
     def __post_init__(self):
         if self.max_bytes < 1:
@@ -108,15 +113,24 @@ class PairFilter:
             raise ScaletrainError(f"max_ratio filter must be >= 1 (got {self.max_ratio})")
 
     def __call__(self, pair: tuple[bytes, bytes] | None) -> tuple[str | None, bytes, bytes]:
-        """(reason or None if kept, src, tgt) with surrounding whitespace stripped."""
+        """(reason or None if kept, src, tgt) with surrounding whitespace stripped.
+
+        A reason in ``KEPT_NOTES`` means: kept, but counted under that name."""
         if pair is None:
             return "malformed", b"", b""
         src, tgt = pair
-        try:
-            src = src.decode("utf-8").strip().encode("utf-8")
-            tgt = tgt.decode("utf-8").strip().encode("utf-8")
+        note = None
+        try:  # validate; re-encode only when stripping changed something
+            u, v = src.decode("utf-8"), tgt.decode("utf-8")
+            us, vs = u.strip(), v.strip()
+            if len(us) != len(u):
+                src = us.encode("utf-8")
+            if len(vs) != len(v):
+                tgt = vs.encode("utf-8")
         except UnicodeDecodeError:
-            return "invalid_utf8", b"", b""
+            if not self.keep_invalid_utf8:
+                return "invalid_utf8", b"", b""
+            src, tgt, note = src.strip(), tgt.strip(), "invalid_utf8_kept"
         if not src or not tgt:
             return "empty", src, tgt
         ls, lt = len(src), len(tgt)
@@ -124,7 +138,7 @@ class PairFilter:
             return "too_long", src, tgt
         if self.max_ratio is not None and max(ls, lt) / min(ls, lt) > self.max_ratio:
             return "ratio", src, tgt
-        return None, src, tgt
+        return note, src, tgt
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,57 @@
+"""Arguments of ``scaletrain prepare`` (kept free of heavy imports so building the CLI parser is fast).
+
+The CLI adds them with ``add_prepare_arguments(parser)`` and runs
+``scaletrain.data.prepare.prepare_from_args(args)``.
+"""
+from __future__ import annotations
+
+_SHARD_LINES = 50_000  # = prepare.PARALLEL_SHARD_LINES
+_BLOCK_SIZE = 1024  # = prepare.PARALLEL_BLOCK_SIZE
+SOURCES = ("gettext", "opus100", "moses", "tsv")
+DEFAULT_OUT = {"gettext": "shards/django", "opus100": "shards/opus100"}
+
+
+def add_prepare_arguments(p) -> None:
+    """All arguments of ``scaletrain prepare`` (gettext, OPUS-100, Moses file pairs, TSV)."""
+    p.add_argument("--source", default="gettext", choices=SOURCES, help="input format (default gettext)")
+    p.add_argument("--out", default=None, help="output directory (default shards/django for gettext, "
+                   "shards/opus100 for opus100; required otherwise)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--langs", default=None, help="comma-separated language codes (gettext: default the bundled "
+                   "set; opus100: default every language found)")
+    g = p.add_argument_group("gettext")
+    g.add_argument("--package", default="django", help="installed Python package whose gettext catalogs to read")
+    g.add_argument("--locale-dir", default=None, help="read <DIR>/<locale>/LC_MESSAGES/*.mo instead of a package "
+                   "(e.g. /usr/share/locale)")
+    g.add_argument("--valid-frac", type=float, default=0.05)
+    g.add_argument("--test-frac", type=float, default=0.05)
+    g.add_argument("--seed", type=int, default=0, help="seed of the split hash and train shuffle")
+    o = p.add_argument_group("opus100")
+    o.add_argument("--opus-root", default=None, help="OPUS-100 release folder (the one holding opus-100-corpus, "
+                   "or it, its v1.0, or supervised)")
+    m = p.add_argument_group("moses / tsv (line-aligned files)")
+    m.add_argument("--src-lang", default=None, help="source language code (moses, tsv)")
+    m.add_argument("--tgt-lang", default=None, help="target language code (moses, tsv)")
+    m.add_argument("--prefix", default=None, help="moses train files PREFIX.SRC_LANG and PREFIX.TGT_LANG")
+    m.add_argument("--src-file", default=None, help="moses train source file (instead of --prefix)")
+    m.add_argument("--tgt-file", default=None, help="moses train target file (instead of --prefix)")
+    m.add_argument("--valid-prefix", default=None, help="moses valid files PREFIX.SRC_LANG / PREFIX.TGT_LANG")
+    m.add_argument("--test-prefix", default=None, help="moses test files PREFIX.SRC_LANG / PREFIX.TGT_LANG")
+    m.add_argument("--tsv-file", default=None, help="tsv train file: src<TAB>tgt per line")
+    m.add_argument("--valid-tsv", default=None, help="tsv valid file")
+    m.add_argument("--test-tsv", default=None, help="tsv test file")
+    f = p.add_argument_group("line-aligned sources (opus100, moses, tsv): filters and parallelism")
+    f.add_argument("--max-bytes", type=int, default=800, help="drop pairs with a side longer than this (bytes; 800)")
+    f.add_argument("--max-ratio", type=float, default=None, help="drop pairs whose longer/shorter byte ratio "
+                   "exceeds this (off by default)")
+    f.add_argument("--keep-invalid-utf8", action="store_true", help="keep pairs with invalid UTF-8 as raw bytes "
+                   "(they are counted either way)")
+    f.add_argument("--one-direction", action="store_true", help="write only src->tgt (default: both directions)")
+    f.add_argument("--workers", type=int, default=1, help="worker processes writing shards (default 1)")
+    f.add_argument("--resume", action="store_true", help="continue an interrupted prepare in --out: complete shards "
+                   "(checksum) are kept, the rest redone")
+    f.add_argument("--shard-lines", type=int, default=_SHARD_LINES,
+                   help=f"input lines per shard (default {_SHARD_LINES:,})")
+    f.add_argument("--block-size", type=int, default=_BLOCK_SIZE,
+                   help=f"examples per block (default {_BLOCK_SIZE})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
