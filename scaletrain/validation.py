@@ -1,0 +1,309 @@
+"""Validation during training: BLEU/chrF on a fixed validation subset, best checkpoint, early stopping.
+
+Components, each usable on its own (the Trainer calls them every ``M`` steps):
+
+* :func:`first_n_per_direction` - the fixed subset: the first ``N`` lines of every direction, in shard
+  order (the same lines at every evaluation and after a resume).
+* :class:`BleuValidator` - decodes the subset (greedy by default) and scores it with
+  :func:`scaletrain.metrics.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
+  averages). With several ranks every rank decodes its own share (lines ``rank::world_size``), the
+  hypotheses are all-gathered, and every rank scores the complete subset, so all ranks hold the same
+  numbers (and can take the same early-stopping decision) and the result equals a single-process run.
+* :func:`decoding_model` - the module to decode with. Decoding runs no collective operation, so ranks may
+  run different numbers of forward passes (their shares produce outputs of different lengths). That is
+  only safe while every rank holds the full parameters (DDP, ZeRO-0/1/2): then the engine's module is
+  used as is. Under ZeRO-3 a forward pass gathers parameter partitions from all ranks, so ranks that run
+  different numbers of decoder steps would deadlock; instead every rank gathers the full weights once
+  (``engine.full_state_dict()``, one collective, the same on all ranks) into a plain, unpartitioned copy of
+  the model and decodes with that. The copy costs one model's parameters of memory per rank during
+  validation and is dropped afterwards.
+* :class:`BestCheckpoint` - tracks a chosen metric (mode ``max`` or ``min``), keeps the best checkpoint
+  as ``<out_dir>/checkpoints/best`` (hard links into the saved checkpoint, so no copy and it survives the
+  ``keep_last`` rotation), and reports early stopping after ``patience`` evaluations without improvement.
+  Its ``state_dict()`` goes into the trainer state so resume continues the count.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from scaletrain.data.batch import Example
+from scaletrain.errors import ScaletrainError
+from scaletrain.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
+from scaletrain.metrics import Record, Report, report_to_metrics, score_directions
+from scaletrain.vocab import ByteVocab
+
+__all__ = [
+    "first_n_per_direction",
+    "ValidationResult",
+    "BleuValidator",
+    "decoding_model",
+    "is_partitioned",
+    "Decision",
+    "BestCheckpoint",
+]
+
+
+def first_n_per_direction(examples: Sequence[Example], n: int) -> list[Example]:
+    """The first ``n`` examples of every (src, tgt) direction, keeping their order; ``n <= 0``: all."""
+    if n <= 0:
+        return list(examples)
+    seen: dict[tuple[int, int], int] = {}
+    out = []
+    for ex in examples:
+        k = (ex.src_lang, ex.tgt_lang)
+        if seen.get(k, 0) < n:
+            seen[k] = seen.get(k, 0) + 1
+            out.append(ex)
+    return out
+
+
+@dataclass
+class ValidationResult:
+    report: Report
+    metrics: dict[str, float]  # flat, e.g. valid/bleu_avg/all, valid/chrf/en-de (see report_to_metrics)
+    lines: int
+    local_lines: int  # decoded by this rank
+    seconds: float
+    hypotheses: list[str] = field(repr=False, default_factory=list)  # in subset order
+
+
+def _all_gather_objects(obj, world_size: int) -> list:
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return [obj]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ScaletrainError(
+            f"BleuValidator.run(world_size={world_size}) needs an initialised torch.distributed process group "
+            "(or pass gather=...)"
+        )
+    out = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class BleuValidator:
+    """BLEU/chrF of a model on a fixed list of examples; see the module docstring for the distributed rules.
+
+    ``examples``: the subset (e.g. ``first_n_per_direction(read_split(shards, 'valid'), 100)``).
+    ``beam``: 1 = greedy (default; cheap enough to run often). Decoding settings as in
+    :func:`scaletrain.generate.translate_examples`; scoring settings as in
+    :func:`scaletrain.metrics.score_directions`.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        vocab: ByteVocab,
+        *,
+        beam: int = 1,
+        lenpen: float = 1.0,
+        max_len_a: float = DEFAULT_MAX_LEN_A,
+        max_len_b: int = DEFAULT_MAX_LEN_B,
+        batch_tokens: int = 8192,
+        pivot: str = "en",
+        groups: Mapping[str, Sequence[str]] | None = None,
+        tokenize: Mapping[str, str] | None = None,
+        prefix: str = "valid",
+    ):
+        self.examples = list(examples)
+        if not self.examples:
+            raise ScaletrainError("BleuValidator: the validation subset is empty (is the valid split empty?)")
+        self.vocab = vocab
+        self.decode_kw = dict(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
+                              batch_tokens=batch_tokens)
+        self.pivot, self.groups, self.tokenize, self.prefix = pivot, dict(groups or {}), tokenize, prefix
+        L = vocab.langs
+        self._refs = [ex.tgt.decode("utf-8", errors="replace") for ex in self.examples]
+        self._dirs = [(L[ex.src_lang], L[ex.tgt_lang]) for ex in self.examples]
+
+    @classmethod
+    def from_config(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
+        """The first ``n_per_direction`` lines per direction of ``split`` of ``cfg.data.shards``, decoding
+        and scoring settings from ``cfg.eval`` (beam defaults to 1 = greedy; override with ``beam=``)."""
+        from scaletrain.data.shards import read_split
+
+        ec = cfg.eval
+        args = dict(beam=1, lenpen=ec.lenpen, max_len_a=ec.max_len_a, max_len_b=ec.max_len_b,
+                    batch_tokens=ec.batch_tokens, pivot=ec.pivot, groups=ec.groups or None)
+        args.update(kw)
+        return cls(first_n_per_direction(read_split(cfg.data.shards, split), n_per_direction), vocab, **args)
+
+    def share(self, rank: int, world_size: int) -> list[int]:
+        """Indices of the subset this rank decodes (interleaved, so long and short lines spread evenly)."""
+        return list(range(rank, len(self.examples), world_size))
+
+    def run(self, model, *, rank: int = 0, world_size: int = 1,
+            gather: Callable[[object], list] | None = None) -> ValidationResult:
+        """Decode this rank's share with ``model`` (no collectives), gather every rank's hypotheses (a
+        collective: all ranks must call ``run``), score the whole subset. ``gather(obj) -> [obj of each
+        rank]`` defaults to ``torch.distributed.all_gather_object``."""
+        if not (0 <= rank < world_size):
+            raise ScaletrainError(f"BleuValidator.run: rank {rank} outside world size {world_size}")
+        t0 = time.time()
+        idx = self.share(rank, world_size)
+        mine: list[tuple[int, str, int]] = []
+        if idx:
+            res = translate_examples(model, [self.examples[i] for i in idx], self.vocab, **self.decode_kw)
+            mine = list(zip(idx, res.texts, res.invalid))
+        parts = gather(mine) if gather is not None else _all_gather_objects(mine, world_size)
+        hyps: list[str | None] = [None] * len(self.examples)
+        invalid = [0] * len(self.examples)
+        for part in parts:
+            for i, text, inv in part:
+                hyps[i], invalid[i] = text, inv
+        missing = [i for i, h in enumerate(hyps) if h is None]
+        if missing:
+            raise ScaletrainError(f"BleuValidator: {len(missing)} lines were decoded by no rank (first: {missing[:5]})")
+        records = [Record(s, t, h, r, inv) for (s, t), h, r, inv in zip(self._dirs, hyps, self._refs, invalid)]
+        report = score_directions(records, pivot=self.pivot, groups=self.groups or None, tokenize=self.tokenize)
+        return ValidationResult(report, report_to_metrics(report, self.prefix), len(records), len(idx),
+                                time.time() - t0, hypotheses=list(hyps))
+
+
+# ----------------------------------------------------------------------------------------------
+# which module to decode with
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """True if DeepSpeed ZeRO-3 partitions this module's parameters (a rank holds only a slice)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def decoding_model(engine, model_cfg, vocab_size: int) -> torch.nn.Module:
+    """The module to decode with: ``engine.module`` when it holds full parameters; under ZeRO-3 a plain copy
+    built from ``engine.full_state_dict()`` (a collective: call it on every rank). See the module docstring."""
+    mod = engine.module
+    if not is_partitioned(mod):
+        return mod
+    from scaletrain.models import build_model
+
+    sd = engine.full_state_dict()
+    with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG stream
+        copy = build_model(model_cfg, vocab_size)
+    missing, unexpected = copy.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not m.endswith("_float_tensor")]
+    if missing or unexpected:
+        raise ScaletrainError(
+            f"validation: gathered ZeRO-3 weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    return copy.to(engine.device).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# best checkpoint and early stopping
+
+
+@dataclass(frozen=True)
+class Decision:
+    improved: bool  # this evaluation is the new best
+    stop: bool  # early stopping: `patience` evaluations in a row without improvement
+    value: float
+    best_value: float
+    best_step: int
+    bad_evals: int  # evaluations since the last improvement
+
+
+class BestCheckpoint:
+    """Track ``metric`` over evaluations; keep the best checkpoint; decide early stopping.
+
+    ``mode``: ``max`` (BLEU, chrF) or ``min`` (loss). An evaluation improves if it beats the best by more than
+    ``min_delta``. ``patience``: stop after that many evaluations in a row without improvement (0 = never).
+    A NaN value never improves. ``keep(ckpt_dir)`` (rank 0) makes ``<root>/best`` a hard-linked copy of a saved
+    checkpoint directory (files copied where links are impossible) and writes ``best.json`` beside it.
+    """
+
+    def __init__(self, root: str | Path | None, metric: str, mode: str = "max", patience: int = 0,
+                 min_delta: float = 0.0):
+        if mode not in ("max", "min"):
+            raise ScaletrainError(f"best checkpoint: mode must be 'max' or 'min', got {mode!r}")
+        if patience < 0 or min_delta < 0:
+            raise ScaletrainError(f"best checkpoint: patience and min_delta must be >= 0, got {patience}, {min_delta}")
+        self.root = Path(root) if root is not None else None
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.best_value = math.nan
+        self.best_step = -1
+        self.bad_evals = 0
+        self.history: list[tuple[int, float]] = []
+
+    def _better(self, v: float) -> bool:
+        if math.isnan(v):
+            return False
+        if math.isnan(self.best_value):
+            return True
+        return v > self.best_value + self.min_delta if self.mode == "max" else v < self.best_value - self.min_delta
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> Decision:
+        if self.metric not in metrics:
+            raise ScaletrainError(
+                f"best checkpoint metric {self.metric!r} is not among the validation metrics; choose one of: "
+                + ", ".join(sorted(metrics))
+            )
+        v = float(metrics[self.metric])
+        self.history.append((step, v))
+        improved = self._better(v)
+        if improved:
+            self.best_value, self.best_step, self.bad_evals = v, step, 0
+        else:
+            self.bad_evals += 1
+        stop = self.patience > 0 and self.bad_evals >= self.patience
+        return Decision(improved, stop, v, self.best_value, self.best_step, self.bad_evals)
+
+    # ---- keeping the checkpoint ----------------------------------------------------------------
+    @property
+    def best_dir(self) -> Path:
+        if self.root is None:
+            raise ScaletrainError("BestCheckpoint was created without a root directory")
+        return self.root / "best"
+
+    def keep(self, ckpt_dir: str | Path) -> Path:
+        """Make ``best`` a copy (hard links) of ``ckpt_dir``; atomic: a reader sees the old or the new one."""
+        src = Path(ckpt_dir)
+        if not (src / "trainer_state.json").is_file():
+            raise ScaletrainError(f"{src} is not a complete checkpoint (no trainer_state.json); save it before keep()")
+        dst = self.best_dir
+        tmp = dst.with_name(f".best.tmp-{os.getpid()}")
+        old = dst.with_name(f".best.old-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+        def link_or_copy(s, d):
+            try:
+                os.link(s, d)
+            except OSError:
+                shutil.copy2(s, d)
+
+        shutil.copytree(src, tmp, copy_function=link_or_copy)
+        info = {"metric": self.metric, "mode": self.mode, "value": self.best_value, "step": self.best_step,
+                "source": src.name}
+        (tmp / "best.json").write_text(json.dumps(info, indent=2))
+        if dst.exists():
+            os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+        return dst
+
+    # ---- resume ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"metric": self.metric, "mode": self.mode, "best_value": None if math.isnan(self.best_value) else self.best_value,
+                "best_step": self.best_step, "bad_evals": self.bad_evals, "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, st: Mapping) -> None:
+        if st.get("metric") != self.metric or st.get("mode") != self.mode:
+            raise ScaletrainError(
+                f"resumed run tracked best {st.get('metric')!r} ({st.get('mode')}) but this config asks for "
+                f"{self.metric!r} ({self.mode}); keep the metric or start a new out_dir"
+            )
+        bv = st.get("best_value")
+        self.best_value = math.nan if bv is None else float(bv)
+        self.best_step = int(st.get("best_step", -1))
+        self.bad_evals = int(st.get("bad_evals", 0))
+        self.history = [(int(s), float(v)) for s, v in st.get("history", [])]

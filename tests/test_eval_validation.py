@@ -1,0 +1,228 @@
+"""Validation during training (scaletrain.validation): the fixed subset, BLEU/chrF of a model with shares
+decoded by several ranks, best checkpoint and early stopping; a 2-rank ZeRO-3 run under the deepspeed launcher."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+
+import pytest
+import torch
+
+from conftest import deepspeed_cmd, launcher_env, run
+from scaletrain import metrics as M
+from scaletrain.data.batch import Example
+from scaletrain.errors import ScaletrainError
+from scaletrain.generate import translate_examples
+from scaletrain.models import ModelConfig, build_model
+from scaletrain.validation import BestCheckpoint, BleuValidator, first_n_per_direction
+from scaletrain.vocab import ByteVocab
+
+VOCAB = ByteVocab(["en", "de", "ja"])
+
+
+def _examples():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(17):
+        s, t = [(0, 1), (1, 0), (0, 2), (2, 0)][i % 4]
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        out.append(Example(s, t, bytes(torch.randint(97, 123, (n,), generator=g).tolist()),
+                           "das ist gut ちょっと".encode() if i % 3 else b""))
+    return out
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, max_positions=64,
+                      dropout=0.0)
+    return build_model(cfg, VOCAB.size).eval()
+
+
+def test_first_n_per_direction_keeps_order():
+    exs = _examples()
+    sub = first_n_per_direction(exs, 2)
+    assert sub == [exs[i] for i in range(8)]  # directions cycle with period 4
+    assert first_n_per_direction(exs, 0) == exs
+    assert len(first_n_per_direction(exs, 100)) == len(exs)
+
+
+def test_validator_scores_every_line_like_evaluate_and_ranks_combine_to_the_same():
+    exs = _examples()
+    model = _model()
+    val = BleuValidator(exs, VOCAB, beam=1, max_len_a=0.5, max_len_b=8, batch_tokens=300, groups={"cjk": ["ja"]})
+    one = val.run(model)
+    # the reference computation: decode everything, score with the metrics module
+    res = translate_examples(model, exs, VOCAB, batch_tokens=300, beam=1, max_len_a=0.5, max_len_b=8)
+    L = VOCAB.langs
+    rep = M.score_directions(
+        [M.Record(L[e.src_lang], L[e.tgt_lang], h, e.tgt.decode(), inv) for e, h, inv in zip(exs, res.texts, res.invalid)],
+        groups={"cjk": ["ja"]},
+    )
+    assert one.lines == one.local_lines == 17 and one.hypotheses == res.texts
+    assert one.metrics == M.report_to_metrics(rep, "valid")
+    assert "valid/chrf_avg/cjk" in one.metrics and "valid/bleu/en-ja" in one.metrics
+    assert one.report.direction("en", "de").n_lines == 5  # lines with an empty reference are scored too
+
+    # three "ranks" decode disjoint interleaved shares; gathering them gives exactly the single-rank result
+    class Captured(Exception):
+        pass
+
+    parts = {}
+
+    def capture(r):
+        def gather(mine):
+            parts[r] = mine
+            raise Captured  # stop after this rank's share was decoded
+        return gather
+
+    for r in (1, 2):
+        with pytest.raises(Captured):
+            val.run(model, rank=r, world_size=3, gather=capture(r))
+    got = val.run(model, rank=0, world_size=3, gather=lambda mine: [mine, parts[1], parts[2]])
+    assert got.local_lines == 6 and [len(parts[1]), len(parts[2])] == [6, 5]
+    assert got.hypotheses == one.hypotheses and got.metrics == one.metrics
+    # a share that went missing is an error, not a silently smaller subset
+    with pytest.raises(ScaletrainError, match="decoded by no rank"):
+        val.run(model, rank=0, world_size=3, gather=lambda mine: [mine, parts[1]])
+
+
+def test_validator_from_config_reads_the_fixed_subset(django_shards):
+    from scaletrain.config import load_config
+    from scaletrain.data.shards import load_manifest, read_split
+
+    cfg = load_config("small", [f"data.shards={django_shards}"])
+    vocab = ByteVocab(load_manifest(django_shards).languages)
+    val = BleuValidator.from_config(cfg, vocab, n_per_direction=3)
+    assert val.examples == first_n_per_direction(read_split(django_shards, "valid"), 3)
+    assert len(val.examples) == 30 and val.decode_kw["beam"] == 1 and "latin" in val.groups
+
+
+def test_best_checkpoint_max_min_patience_nan():
+    b = BestCheckpoint(None, "valid/chrf_avg/all", mode="max", patience=2, min_delta=0.5)
+    seq = [10.0, 12.0, 12.3, math.nan, 13.0, 12.9, 12.0]
+    ds = [b.update(100 * (i + 1), {"valid/chrf_avg/all": v, "other": 0.0}) for i, v in enumerate(seq)]
+    assert [d.improved for d in ds] == [True, True, False, False, True, False, False]
+    assert [d.bad_evals for d in ds] == [0, 0, 1, 2, 0, 1, 2]
+    assert [d.stop for d in ds] == [False, False, False, True, False, False, True]
+    assert (ds[-1].best_value, ds[-1].best_step) == (13.0, 500)
+    m = BestCheckpoint(None, "valid/nll", mode="min", patience=0)
+    assert [m.update(i, {"valid/nll": v}).improved for i, v in enumerate([3.0, 2.5, 2.6, 1.0])] == [True, True, False, True]
+    assert not any(m.update(9, {"valid/nll": 9.0}).stop for _ in range(5))  # patience 0: never stops
+    with pytest.raises(ScaletrainError, match="valid/bleu_avg/all.*choose one of: valid/nll"):
+        BestCheckpoint(None, "valid/bleu_avg/all").update(1, {"valid/nll": 1.0})
+    with pytest.raises(ScaletrainError, match="mode"):
+        BestCheckpoint(None, "x", mode="up")
+
+
+def test_best_checkpoint_resume_state():
+    a = BestCheckpoint(None, "m", mode="max", patience=3)
+    for i, v in enumerate([1.0, 3.0, 2.0]):
+        a.update(i, {"m": v})
+    st = json.loads(json.dumps(a.state_dict()))  # goes through the JSON trainer state
+    b = BestCheckpoint(None, "m", mode="max", patience=3)
+    b.load_state_dict(st)
+    assert (b.best_value, b.best_step, b.bad_evals) == (3.0, 1, 1)
+    assert b.update(3, {"m": 2.5}).bad_evals == 2 and b.update(4, {"m": 2.5}).stop
+    with pytest.raises(ScaletrainError, match="start a new out_dir"):
+        BestCheckpoint(None, "other").load_state_dict(st)
+
+
+def _fake_ckpt(d, step):
+    d.mkdir(parents=True)
+    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (d / "mp_rank_00_model_states.pt").write_bytes(os.urandom(1000))
+    (d / "config.yaml").write_text("name: x\n")
+
+
+def test_best_checkpoint_keep_links_survives_rotation_and_replaces(tmp_path):
+    root = tmp_path / "checkpoints"
+    b = BestCheckpoint(root, "m")
+    _fake_ckpt(root / "step-0000100", 100)
+    b.update(100, {"m": 1.0})
+    best = b.keep(root / "step-0000100")
+    assert best == root / "best"
+    w = (root / "step-0000100" / "mp_rank_00_model_states.pt").read_bytes()
+    assert (best / "mp_rank_00_model_states.pt").read_bytes() == w
+    assert os.stat(best / "mp_rank_00_model_states.pt").st_ino == os.stat(root / "step-0000100" / "mp_rank_00_model_states.pt").st_ino
+    assert json.loads((best / "best.json").read_text()) == {"metric": "m", "mode": "max", "value": 1.0, "step": 100,
+                                                            "source": "step-0000100"}
+    import shutil
+
+    shutil.rmtree(root / "step-0000100")  # keep_last rotation deletes the original
+    assert (best / "mp_rank_00_model_states.pt").read_bytes() == w
+    _fake_ckpt(root / "step-0000200", 200)
+    b.update(200, {"m": 2.0})
+    b.keep(root / "step-0000200")
+    assert json.loads((best / "trainer_state.json").read_text()) == {"step": 200}
+    assert sorted(p.name for p in root.iterdir()) == ["best", "step-0000200"]  # no temp dirs left
+    with pytest.raises(ScaletrainError, match="not a complete checkpoint"):
+        b.keep(tmp_path / "nothing")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2 ranks, ZeRO-3, deepspeed launcher
+
+DRIVER = textwrap.dedent('''
+    import json, sys
+    import torch
+    from scaletrain.cli import _strip_launcher_args
+    from scaletrain.config import load_config
+    from scaletrain.data.shards import load_manifest
+    from scaletrain.engine import build_engine
+    from scaletrain.models import build_model
+    from scaletrain.validation import BleuValidator, decoding_model, is_partitioned
+    from scaletrain.vocab import ByteVocab
+
+    argv = _strip_launcher_args(sys.argv[1:])
+    out, overrides = argv[0], argv[1:]
+    cfg = load_config("small", overrides)
+    eng = build_engine(cfg)
+    vocab = ByteVocab(load_manifest(cfg.data.shards).languages)
+    torch.manual_seed(0)
+    eng.setup(build_model(cfg.model, vocab.size))
+    val = BleuValidator.from_config(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12)
+    model = decoding_model(eng, cfg.model, vocab.size)
+    res = val.run(model, rank=eng.rank, world_size=eng.world_size)
+    ref = val.run(model, rank=0, world_size=1)  # every rank alone, same weights: the single-process answer
+    json.dump({"partitioned": is_partitioned(eng.module), "copy": model is not eng.module, "metrics": res.metrics,
+               "ref": ref.metrics, "local": res.local_lines, "lines": res.lines, "hyps": res.hypotheses,
+               "ref_hyps": ref.hypotheses}, open(f"{out}/val_rank{eng.rank}.json", "w"))
+''')
+
+
+@pytest.mark.slow
+def test_two_ranks_zero3_validation_equals_single_process(django_shards, tmp_path):
+    driver = tmp_path / "val_driver.py"
+    driver.write_text(DRIVER)
+    over = [f"data.shards={django_shards}", "model.d_model=32", "model.n_heads=2", "model.encoder_layers=1",
+            "model.decoder_layers=1", "model.ffn_dim=64", "model.max_positions=64", "data.max_bytes=60",
+            "engine.ds_config=ds_configs/zero3.json", "tracking.enabled=false"]
+    run(deepspeed_cmd(2, str(driver), str(tmp_path), *over), launcher_env(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"val_rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["partitioned"] and r1["partitioned"] and r0["copy"]  # the ZeRO-3 path really ran
+    assert r0["lines"] == r1["lines"] == 40 and r0["local"] + r1["local"] == 40 and r0["local"] == 20
+    assert r0["metrics"] == r1["metrics"] == r0["ref"] == r1["ref"]  # same numbers everywhere, = one process
+    assert r0["hyps"] == r0["ref_hyps"] == r1["ref_hyps"] and len(set(r0["hyps"])) > 5
+    assert r0["metrics"]["valid/chrf_avg/all"] >= 0 and "valid/bleu_avg/non-latin" in r0["metrics"]
+
+
+def test_decoding_model_uses_module_or_an_unpartitioned_copy_without_touching_rng():
+    from types import SimpleNamespace
+
+    from scaletrain.validation import decoding_model, is_partitioned
+
+    model = _model()
+    cfg = model.cfg
+    eng = SimpleNamespace(module=model, device=torch.device("cpu"), full_state_dict=lambda: model.state_dict())
+    assert decoding_model(eng, cfg, VOCAB.size) is model and not is_partitioned(model)
+    for p in model.parameters():
+        p.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
+    assert is_partitioned(model)
+    rng = torch.get_rng_state()
+    copy = decoding_model(eng, cfg, VOCAB.size)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert copy is not model and not is_partitioned(copy) and not copy.training
+    for (k, a), (_, b) in zip(model.state_dict().items(), copy.state_dict().items()):
+        assert torch.equal(a, b), k

@@ -1,0 +1,117 @@
+"""Incremental decoding of every registered architecture against the full forward pass, and beam search
+on the real Transformer when sentences finish at different steps (the cache is shrunk and reordered)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain import generate as G
+from scaletrain.data.batch import Example, collate
+from scaletrain.models import ModelConfig, available_models, build_model
+from scaletrain.vocab import EOS, ByteVocab
+
+VOCAB = ByteVocab(["en", "de", "th"])
+EXAMPLES = [
+    Example(0, 1, b"hello world", b"hallo welt"),
+    Example(1, 0, b"guten tag, wie geht es dir?", b"good day"),
+    Example(0, 2, b"a", "ก".encode()),
+    Example(2, 0, "สวัสดี".encode(), b"hi"),
+    Example(1, 2, b"ja", b""),
+]
+
+
+def tiny(arch: str, seed=0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    extra = {"conv_kernels": [0, 1, 3, 5]} if arch in ("msc", "msha") else {}  # one kernel per head
+    cfg = ModelConfig(arch=arch, d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64,
+                      max_positions=64, dropout=0.0, byte_encoder_layers=1, conv_layers=[0], **extra)
+    return build_model(cfg, VOCAB.size).eval()
+
+
+@pytest.mark.parametrize("arch", available_models())
+def test_incremental_logits_equal_full_forward(arch):
+    model = tiny(arch)
+    batch = collate(EXAMPLES)
+    T = batch.tgt_in.shape[1]
+    with torch.no_grad():
+        full = model(batch.src, batch.tgt_in)  # [B, T, V]
+        enc = model.encode(batch.src)
+        cache = None
+        for t in range(T):
+            logits, cache = model.decode_step(batch.tgt_in[:, t], t, enc, cache)
+            real = batch.tgt_in[:, t] != 0  # positions past a row's end are padding: not compared
+            torch.testing.assert_close(logits[real], full[real, t], atol=1e-4, rtol=1e-4)
+    assert T >= 10
+
+
+class EosBias(torch.nn.Module):
+    """The real Transformer with a fixed bonus on the EOS logit, so sentences end at different lengths."""
+
+    def __init__(self, inner, bonus):
+        super().__init__()
+        self.inner, self.bonus, self.max_positions = inner, bonus, inner.cfg.max_positions
+
+    def _b(self, logits):
+        return logits + torch.nn.functional.one_hot(torch.tensor(EOS), logits.shape[-1]) * self.bonus
+
+    def encode(self, src):
+        return self.inner.encode(src)
+
+    def decode_step(self, tokens, step, enc, cache):
+        logits, cache = self.inner.decode_step(tokens, step, enc, cache)
+        return self._b(logits), cache
+
+    def reorder_cache(self, cache, index):
+        return self.inner.reorder_cache(cache, index)
+
+    def forward(self, src, tgt_in):
+        return self._b(self.inner(src, tgt_in))
+
+
+def full_forward_logprob(model, src_row, tag, tokens) -> float:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(src_row, torch.tensor([[tag] + tokens])).double()[0], -1)
+    lp = lp + G._allowed_mask(lp.shape[-1], "cpu", torch.float64)
+    return float(sum(lp[t, tok] for t, tok in enumerate(tokens + [EOS])))
+
+
+@pytest.mark.parametrize("beam", [2, 4])
+def test_real_beam_with_rows_finishing_at_different_steps(beam):
+    model = EosBias(tiny("transformer", seed=4), bonus=3.0)
+    batch = collate(EXAMPLES)
+    tags = batch.tgt_in[:, 0]
+    hyps = G.generate_with_scores(model, batch.src, tags, beam=beam, lenpen=1.3, max_len_a=0, max_len_b=12)
+    lens = [len(h.tokens) for h in hyps]
+    assert len(set(lens)) >= 3, lens  # sentences leave the batch at different steps
+    for i, ex in enumerate(EXAMPLES):
+        one = collate([ex])
+        single = G.generate_with_scores(model, one.src, one.tgt_in[:, 0], beam=beam, lenpen=1.3, max_len_a=0,
+                                        max_len_b=12)[0]
+        assert single.tokens == hyps[i].tokens and single.score == pytest.approx(hyps[i].score, abs=1e-5)
+        ref = full_forward_logprob(model, one.src, int(one.tgt_in[0, 0]), hyps[i].tokens) / (lens[i] + 1) ** 1.3
+        assert hyps[i].score == pytest.approx(ref, abs=1e-4)
+
+
+def test_beam_reorder_fast_path_equals_model_reorder():
+    model = tiny("transformer")
+    batch = collate(EXAMPLES[:3])
+    K = 3
+    enc = model.encode(batch.src).index_select(torch.arange(3).repeat_interleave(K))
+    cache = None
+    tok = batch.tgt_in[:, 0].repeat_interleave(K)
+    with torch.no_grad():
+        for t in range(3):
+            _, cache = model.decode_step(tok, t, enc, cache)
+            tok = tok.roll(1)
+    for flat in ([2, 2, 0, 3, 5, 4, 6, 8, 7],  # most rows move: copied reorder
+                 [0, 1, 1, 3, 4, 5, 6, 6, 8],  # few rows move: rows rewritten in place
+                 list(range(9))):  # nothing moves
+        flat = torch.tensor(flat)
+        clone = type(cache)([{n: t.clone() for n, t in layer.items()} for layer in cache.layers])
+        slow = model.reorder_cache(clone, flat)
+        fast = G._reorder_beams(model, cache, flat, shrunk=False)
+        for a, b in zip(fast.layers, slow.layers):
+            assert a.keys() == b.keys() == {"k", "v", "ck", "cv"}
+            for n in a:
+                torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
+        cache = fast
