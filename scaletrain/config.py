@@ -26,8 +26,10 @@ class DataConfig:
     shards: str = "shards/django"  # a directory written by `scaletrain prepare`
     max_tokens: int = 4096  # token budget per micro-batch per rank: padded src + tgt tokens
     max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
-    buffer_size: int = 8  # blocks per shuffle window
+    buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
     seed: int = 1
+    num_workers: int = 0  # DataLoader worker processes per rank feeding the stream (0 = in the training process)
+    temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
 
 
 @dataclass
@@ -49,6 +51,9 @@ class EngineConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_accum: int = 1
     threads: int = 0  # CPU threads per rank; 0 = cores / local ranks
+    accelerate: str = "ddp"  # with backend=accelerate: ddp (plain DDP) | deepspeed (DeepSpeed plugin, ds_config)
+    activation_checkpointing: bool = False  # recompute each encoder/decoder layer in backward
+    compile: bool = False  # torch.compile the model before the engine wraps it
 
 
 @dataclass
@@ -63,6 +68,10 @@ class TrainConfig:
     valid_max_batches: int = 50
     seed: int = 1
     resume: bool = True  # continue from out_dir/latest when it exists
+    bleu_every: int = 0  # BLEU/chrF on eval.valid_lines per direction every N steps (0 = off)
+    best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
+    best_mode: str = "max"  # max | min
+    patience: int = 0  # early stop after N validations without improvement (0 = off)
 
 
 @dataclass
@@ -74,6 +83,7 @@ class EvalConfig:
     max_len_b: int = 200
     batch_tokens: int = 8192
     pivot: str = "en"
+    valid_lines: int = 100  # lines per direction of the fixed validation subset (train.bleu_every)
     groups: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -293,18 +303,35 @@ def validate(cfg: Config) -> None:
         bad("engine.precision", f"must be fp32, bf16 or fp16, got {cfg.engine.precision!r}")
     if cfg.engine.grad_accum < 1:
         bad("engine.grad_accum", "must be >= 1")
+    if cfg.engine.accelerate not in ("ddp", "deepspeed"):
+        bad("engine.accelerate", f"must be ddp or deepspeed, got {cfg.engine.accelerate!r}")
+    if cfg.engine.threads < 0:
+        bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
     if cfg.model.d_model % cfg.model.n_heads:
         bad("model.n_heads", f"d_model {cfg.model.d_model} is not divisible by n_heads {cfg.model.n_heads}")
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
     if cfg.data.max_tokens < 2 * (cfg.data.max_bytes + 2):
         bad("data.max_tokens", f"{cfg.data.max_tokens} cannot hold one example of max_bytes {cfg.data.max_bytes}")
+    if cfg.data.num_workers < 0:
+        bad("data.num_workers", "must be >= 0")
+    if cfg.data.temperature <= 0:
+        bad("data.temperature", "must be > 0 (1 = proportional sampling)")
+    if cfg.data.buffer_size < 1:
+        bad("data.buffer_size", "must be >= 1")
     if cfg.optim.lr <= 0:
         bad("optim.lr", "must be > 0")
     if not 0 <= cfg.optim.label_smoothing < 1:
         bad("optim.label_smoothing", "must be in [0, 1)")
     if cfg.train.max_steps < 1:
         bad("train.max_steps", "must be >= 1")
+    if cfg.train.best_mode not in ("max", "min"):
+        bad("train.best_mode", f"must be max or min, got {cfg.train.best_mode!r}")
+    for k in ("bleu_every", "patience", "valid_every", "save_every"):
+        if getattr(cfg.train, k) < 0:
+            bad(f"train.{k}", "must be >= 0")
+    if cfg.train.patience and not cfg.train.best_metric:
+        bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
     if cfg.eval.beam < 1:
         bad("eval.beam", "must be >= 1")
 
