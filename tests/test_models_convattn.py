@@ -315,3 +315,35 @@ def test_moce_router_and_convs_get_gradients_and_no_aux_loss():
     assert ex.router.weight.grad.abs().sum() > 0
     assert all(w.grad.abs().sum() > 0 for w in ex.weights)
     assert m.last_aux_loss is None
+
+
+@pytest.mark.parametrize("kernels,top_k", [((0, 1, 3, 5, 7), 2), ((3, 0, 1, 0, 5), 3), ((1, 3), 1), ((0, 0), 2)])
+def test_gathered_topk_mixture_equals_dense_mixture_with_gradients(kernels, top_k):
+    """The fast path (one conv, gather the k picked outputs, identity added directly) computes
+    sum_e route(z)_e * expert_e(z) exactly, in any expert order, forward and backward."""
+    ex = experts(kernels=kernels, top_k=top_k)
+    with torch.no_grad():
+        torch.nn.init.normal_(ex.router.weight, std=2.0)
+    z, pad = z_and_pads()
+    z1 = z.clone().requires_grad_()
+    out = ex(z1, pad, None, None)
+    z2 = z.clone().requires_grad_()
+    zz = z2.masked_fill(pad[None, :, None, :, None], 0.0)
+    w = ex.route(zz, None)  # dense [3, B, H, T, E]
+    assert ((w > 0).sum(-1) == min(top_k, len(kernels))).all()
+    if ex.conv_kernels:
+        conv = ex.conv_outputs(zz.reshape(-1, 9, DH)).view(3, 2, H, 9, len(ex.conv_kernels), DH)
+    parts, j = [], 0
+    for k in kernels:
+        if k == 0:
+            parts.append(zz)
+        else:
+            parts.append(conv[..., j, :])
+            j += 1
+    expected = torch.einsum("...e,...ed->...d", w, torch.stack(parts, -2))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [z1, *ex.parameters()], g)
+    grads_ref = torch.autograd.grad(expected, [z2, *ex.parameters()], g)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -157,46 +157,72 @@ class MoCEExperts(nn.Module):
             "radius", torch.tensor([(k - 1) / 2 if k > 0 else 0.0 for k in self.kernels]), persistent=False
         )
         self.n_langs = max(n_langs, 1)
+        # expert index -> identity? / position in the stacked conv output (0 for identities)
+        self.register_buffer("is_identity", torch.tensor([k == 0 for k in self.kernels]), persistent=False)
+        slots, j = [], 0
+        for k in self.kernels:
+            slots.append(j if k > 0 else 0)
+            j += k > 0
+        self.register_buffer("conv_slot", torch.tensor(slots, dtype=torch.long), persistent=False)
         self.collect_stats = True
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
         """z [N, T, Dh] -> [N, T, n_conv, Dh] (one stacked conv)."""
+        return self.expert_bank(z).permute(0, 3, 1, 2)
+
+    def route_topk(self, z: torch.Tensor, lid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing: (weights [..., k] >= 0 summing to 1, expert indices [..., k]).
+        Top-k on the router logits first, then softmax over the k selected (in fp32)."""
+        r = z if lid is None else torch.cat([z, lid.expand(*z.shape[:-1], lid.shape[-1])], -1)
+        top = self.router(r).topk(self.top_k, dim=-1)
+        return torch.softmax(top.values.float(), dim=-1).to(z.dtype), top.indices
+
+    def route(self, z: torch.Tensor, lid: torch.Tensor | None) -> torch.Tensor:
+        """Dense routing weights [..., E]: >= 0, exactly k non-zero, summing to 1."""
+        w, idx = self.route_topk(z, lid)
+        return w.new_zeros(*w.shape[:-1], self.n_experts).scatter(-1, idx, w)
+
+    def expert_bank(self, z: torch.Tensor) -> torch.Tensor:
+        """z [N, T, Dh] -> the conv experts' outputs [N, n_conv, Dh, T] from ONE conv (output channels
+        stacked, kernels zero-padded to the largest size); identity experts are not materialised."""
         N, T, Dh = z.shape
         ws = [F.pad(w, ((self.kmax - w.shape[-1]) // 2,) * 2) for w in self.weights]
         w = torch.cat(ws, 0).to(z.dtype)
         b = torch.cat(list(self.biases), 0).to(z.dtype)
         y = F.conv1d(z.transpose(1, 2), w, b, padding=self.kmax // 2)  # [N, n_conv*Dh, T]
-        return y.view(N, len(ws), Dh, T).permute(0, 3, 1, 2)
-
-    def route(self, z: torch.Tensor, lid: torch.Tensor | None) -> torch.Tensor:
-        """Dense routing weights [..., E]: >= 0, exactly k non-zero, summing to 1."""
-        r = z if lid is None else torch.cat([z, lid.expand_as(z)], -1)
-        logits = self.router(r)
-        top = logits.topk(self.top_k, dim=-1)
-        w = torch.softmax(top.values.float(), dim=-1).to(z.dtype)
-        return torch.zeros_like(logits).scatter(-1, top.indices, w)
+        return y.view(N, len(ws), Dh, T)
 
     def forward(self, z: torch.Tensor, pad_mask: torch.Tensor, lid: torch.Tensor | None, lang: torch.Tensor | None):
-        """z [3, B, H, T, Dh] (q, k, v), pad_mask [B, T], lid [B, H, Dh] or None, lang [B] or None."""
+        """z [3, B, H, T, Dh] (q, k, v), pad_mask [B, T], lid [B, H, Dh] or None, lang [B] or None.
+
+        All conv experts in one conv; per (slot, position) only the top-k outputs are gathered and
+        mixed (identity picks add w * z directly): no dense [.., E] mixing, no host sync.
+        """
         G, B, H, T, Dh = z.shape
+        N, K = G * B * H, self.top_k
         z = z.masked_fill(pad_mask[None, :, None, :, None], 0.0)
-        experts = []
-        if self.conv_kernels:
-            y = self.conv_outputs(z.reshape(G * B * H, T, Dh)).view(G, B, H, T, -1, Dh)
-        j = 0
-        for k in self.kernels:
-            if k == 0:
-                experts.append(z)
-            else:
-                experts.append(y[..., j, :])
-                j += 1
-        experts = torch.stack(experts, -2)  # [3, B, H, T, E, Dh]
         lid_in = None if lid is None else lid[None, :, :, None, :]
-        weights = self.route(z, lid_in)  # [3, B, H, T, E]
-        out = torch.einsum("...e,...ed->...d", weights, experts)
+        w, idx = self.route_topk(z, lid_in)  # [3, B, H, T, K]
+        zf = z.reshape(N, T, Dh)
+        wk = w.reshape(N, T, K).transpose(1, 2)  # [N, K, T]
+        ik = idx.reshape(N, T, K).transpose(1, 2)
+        is_id = self.is_identity[ik]  # [N, K, T] bool
+        out = None
+        if self.conv_kernels:
+            y = self.expert_bank(zf)  # [N, C, Dh, T]
+            slot = self.conv_slot[ik]  # identity picks read slot 0 with weight 0
+            picked = y.gather(1, slot[:, :, None, :].expand(N, K, Dh, T))  # [N, K, Dh, T]
+            out = (picked * wk.masked_fill(is_id, 0.0)[:, :, None, :]).sum(1)  # [N, Dh, T]
+        if len(self.conv_kernels) < self.n_experts:
+            w_id = wk.masked_fill(~is_id, 0.0).sum(1)  # [N, T]
+            ident = zf.transpose(1, 2) * w_id[:, None, :]
+            out = ident if out is None else out + ident
+        out = out.transpose(1, 2).reshape(G, B, H, T, Dh)
         if self.collect_stats and lang is not None:
-            self._accumulate(weights.detach(), pad_mask, lang)
+            with torch.no_grad():
+                dense = w.new_zeros(G, B, H, T, self.n_experts).scatter(-1, idx, w)
+            self._accumulate(dense, pad_mask, lang)
         return out
 
     # ---- statistics (device-side accumulation, no host sync) ---------------------------
@@ -225,11 +251,12 @@ class MoCEExperts(nn.Module):
         routing slots that picked each expert (rows sum to top_k), ``mean_radius`` = routing-weighted
         kernel radius (k-1)/2 averaged over tokens, ``tokens`` = routed slots. Host copy happens here."""
         if self._stats is None:
-            return {"kernels": self.kernels, "selection": [], "mean_radius": [], "tokens": []}
+            return {"kernels": self.kernels, "top_k": self.top_k, "selection": [], "mean_radius": [], "tokens": []}
         s = self._stats
         tok = s["tokens"].clamp(min=1)
         out = {
             "kernels": self.kernels,
+            "top_k": self.top_k,
             "selection": (s["selected"] / tok[:, None]).tolist(),
             "mean_radius": (s["radius"] / tok).tolist(),
             "tokens": s["tokens"].tolist(),

@@ -1,0 +1,50 @@
+"""``scaletrain model summary RECIPE [KEY=VALUE ...]``: parameters per component and FLOPs per token.
+
+The vocabulary is the byte layout (4 specials + 256 bytes + one tag per language): ``--langs N``
+(default 100, the OPUS-100 layout of the papers: 360 ids) or ``--shards DIR`` to take the languages
+of a shard manifest. The model is built on the meta device, so paper-size models cost no memory.
+"""
+from __future__ import annotations
+
+import json
+
+from scaletrain.errors import ScaletrainError
+
+
+def _summary(args) -> int:
+    from scaletrain.config import load_config
+    from scaletrain.models.stats import format_summary, model_summary
+    from scaletrain.vocab import LANG_OFFSET
+
+    cfg = load_config(args.recipe, args.overrides)
+    if args.shards:
+        from scaletrain.data.shards import load_manifest
+
+        n_langs = len(load_manifest(args.shards).languages)
+    else:
+        n_langs = args.langs
+    if n_langs < 0:
+        raise ScaletrainError(f"--langs must be >= 0, got {n_langs}")
+    if args.src_len < 1 or args.tgt_len < 1:
+        raise ScaletrainError("--src-len and --tgt-len must be >= 1")
+    s = model_summary(cfg.model, LANG_OFFSET + n_langs, args.src_len, args.tgt_len)
+    if args.json:
+        print(json.dumps({**s, "recipe": cfg.name, "components": dict(s["components"])}, indent=2))
+    else:
+        print(format_summary(s, title=f"recipe {cfg.name}"))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("model", help="inspect model architectures (parameters, FLOPs)")
+    sub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    s = sub.add_parser("summary", help="parameters per component and training FLOPs per target token")
+    s.add_argument("recipe", help="recipe name (packaged) or path to a YAML file")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. model.d_model=256")
+    s.add_argument("--langs", type=int, default=100,
+                   help="number of language tags in the vocabulary (default 100: OPUS-100, 360 ids)")
+    s.add_argument("--shards", default=None, help="take the languages from this shard directory's manifest")
+    s.add_argument("--src-len", type=int, default=100, help="source tokens per sentence for FLOPs (default 100)")
+    s.add_argument("--tgt-len", type=int, default=100, help="target tokens per sentence for FLOPs (default 100)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=_summary)
