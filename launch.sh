@@ -28,12 +28,14 @@ USAGE
 }
 recipe=small; nproc=""; engine=deepspeed; out=""; do_eval=1
 ds_args=(); overrides=()
+declare -A launcher_opt=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --recipe) recipe="$2"; shift 2 ;;
     --nproc|--num_gpus) nproc="$2"; shift 2 ;;
-    --hostfile|--num_nodes|--node_rank|--master_addr|--master_port) ds_args+=("$1" "$2"); shift 2 ;;
+    --hostfile|--num_nodes|--node_rank|--master_addr|--master_port)
+      ds_args+=("$1" "$2"); launcher_opt["${1#--}"]="$2"; shift 2 ;;
     --no_ssh) ds_args+=("$1"); shift ;;
     --engine) engine="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
@@ -53,8 +55,15 @@ if [[ -z "$nproc" ]]; then
 fi
 [[ -n "$out" ]] || out="runs/$(basename "${recipe%.yaml}")-$(date +%Y%m%d-%H%M%S)"
 overrides+=("train.out_dir=$out")
-# Validate the config (and learn the shard directory) before starting any process.
-shards=$(scaletrain train --config "$recipe" "${overrides[@]}" --print-config | python -c 'import sys,yaml; print(yaml.safe_load(sys.stdin)["data"]["shards"])')
+[[ "$engine" == deepspeed || "$engine" == accelerate ]] || { echo "launch.sh: --engine must be deepspeed or accelerate" >&2; exit 2; }
+[[ "$engine" == accelerate ]] && overrides=("engine.backend=accelerate" "${overrides[@]}")
+num_nodes=${launcher_opt[num_nodes]:-1}
+# Validate the config (and learn the shard directory) before starting any process: unknown keys,
+# ZeRO stage, ds_config file, fp16 without a GPU... fail here with one message.
+resolved=$(scaletrain train --config "$recipe" "${overrides[@]}" --print-config)
+python -m scaletrain.engine.preflight --config "$recipe" --world-size $((nproc * num_nodes)) "${overrides[@]}"
+cfg_get() { python -c 'import sys,yaml; c=yaml.safe_load(sys.stdin); sec,key=sys.argv[1].split("."); print(c[sec][key])' "$1" <<<"$resolved"; }
+shards=$(cfg_get data.shards)
 if [[ ! -f "$shards/manifest.json" ]]; then
   echo "== preparing bundled corpus into $shards"
   scaletrain prepare --out "$shards" --overwrite
@@ -62,8 +71,19 @@ fi
 echo "== training $recipe on $nproc process(es) per node with $engine -> $out"
 t0=$(date +%s)
 if [[ "$engine" == accelerate ]]; then
-  accelerate launch --config_file ds_configs/accelerate_ddp.yaml --num_processes "$nproc" \
-    -m scaletrain train --config "$recipe" engine.backend=accelerate "${overrides[@]}"
+  # Accelerate: our YAML (DDP or the DeepSpeed plugin, from engine.accelerate); launcher flags mapped.
+  acc_args=(--num_processes $((nproc * num_nodes)))
+  [[ -n "${launcher_opt[hostfile]:-}" ]] && { echo "launch.sh: --hostfile is a deepspeed-launcher option; with --engine accelerate give --num_nodes/--node_rank/--master_addr on each node" >&2; exit 2; }
+  [[ $num_nodes -gt 1 ]] && acc_args+=(--num_machines "$num_nodes" --machine_rank "${launcher_opt[node_rank]:-0}")
+  [[ -n "${launcher_opt[master_addr]:-}" ]] && acc_args+=(--main_process_ip "${launcher_opt[master_addr]}")
+  [[ -n "${launcher_opt[master_port]:-}" ]] && acc_args+=(--main_process_port "${launcher_opt[master_port]}")
+  if [[ "$(cfg_get engine.accelerate)" == deepspeed ]]; then
+    ds_json=$(python -c 'import sys; from scaletrain.engine.ds_config import resolve_ds_config_path as r; print(r(sys.argv[1]))' "$(cfg_get engine.ds_config)")
+    acc_args+=(--config_file ds_configs/accelerate_deepspeed.yaml --deepspeed_config_file "$ds_json")
+  else
+    acc_args+=(--config_file ds_configs/accelerate_ddp.yaml)
+  fi
+  accelerate launch "${acc_args[@]}" -m scaletrain train --config "$recipe" "${overrides[@]}"
 else
   deepspeed --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain \
     train --config "$recipe" "${overrides[@]}"

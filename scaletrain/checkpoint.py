@@ -142,24 +142,43 @@ class CheckpointManager:
         return trainer_state, rank_state
 
 
-def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Model state dict from a checkpoint written by any engine, without DeepSpeed's engine."""
-    ms = ckpt / "mp_rank_00_model_states.pt"
-    if ms.is_file():
-        sd = torch.load(ms, map_location="cpu", weights_only=False)
-        module = sd.get("module") or {}
-        zero3 = any(v.numel() == 0 for v in module.values() if torch.is_tensor(v)) or not module
-        if not zero3:
-            return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def _has_zero_shards(ckpt: Path) -> bool:
+    return any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")) or any(ckpt.glob("zero_pp_rank_*_model_states.pt"))
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+
+def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict of a checkpoint written by any engine, without building an engine.
+
+    Accelerate DDP / exported / averaged: model.safetensors. DeepSpeed without partitioned fp32 weights:
+    mp_rank_00_model_states.pt. ZeRO-3 (parameters partitioned over ranks) and bf16/fp16 runs (fp32
+    master weights live in the optimizer shards): consolidated with DeepSpeed's zero_to_fp32.
+    """
+    ckpt = Path(ckpt)
     st = ckpt / "model.safetensors"
     if st.is_file():
         from safetensors.torch import load_file
 
         return load_file(str(st))
-    raise ScaletrainError(f"{ckpt}: no model weights found (mp_rank_00_model_states.pt or model.safetensors)")
+    ms = ckpt / "mp_rank_00_model_states.pt"
+    module: dict = {}
+    if ms.is_file():
+        sd = torch.load(ms, map_location="cpu", weights_only=False)
+        module = sd.get("module") or {}
+        tensors = [v for v in module.values() if torch.is_tensor(v) and v.is_floating_point()]
+        complete = bool(tensors) and all(v.numel() > 0 for v in tensors)
+        if complete and all(v.dtype == torch.float32 for v in tensors):
+            return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    if _has_zero_shards(ckpt):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        return {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in sd.items()}
+    if module:  # 16-bit weights without fp32 master shards
+        return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    raise ScaletrainError(
+        f"{ckpt}: no model weights found (model.safetensors, mp_rank_00_model_states.pt or ZeRO shards "
+        "zero_pp_rank_*); is this a checkpoint directory (OUT/checkpoints/step-N)?"
+    )
 
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):

@@ -72,7 +72,10 @@ def unigram_nll(shards: str, split: str = "valid") -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    """``stream``: optional batch source replacing the shard stream (an iterable of Batch with
+    ``state_dict()``/``load_state_dict()``), e.g. a fixed replay in equivalence tests."""
+
+    def __init__(self, cfg: Config, stream=None):
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = build_engine(cfg)
@@ -83,7 +86,7 @@ class Trainer:
         model = build_model(cfg.model, self.vocab.size)
         self.param_counts = count_parameters(model)
         eng.setup(model)
-        self.stream = ShardStream(
+        self.stream = stream if stream is not None else ShardStream(
             cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, seed=cfg.data.seed,
             max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes, buffer_size=cfg.data.buffer_size,
         )
@@ -92,6 +95,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.examples_seen = 0
+        self.skipped_steps = 0  # fp16 overflow: updates the engine skipped (loss scale lowered)
         self.run_id: str | None = None
         self.valid_history: list[tuple[int, float]] = []
         self.loss_history: list[tuple[int, float]] = []
@@ -131,6 +135,7 @@ class Trainer:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.examples_seen = state["examples_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         self.valid_history = [tuple(x) for x in state.get("valid_history", [])]
         self.stream.load_state_dict(rank_state["stream"])
         if self.engine.is_main:
@@ -140,7 +145,8 @@ class Trainer:
     def save(self) -> Path:
         state = {
             "step": self.step, "tokens_seen": self.tokens_seen, "examples_seen": self.examples_seen,
-            "world_size": self.engine.world_size, "run_id": self.run_id, "valid_history": self.valid_history,
+            "world_size": self.engine.world_size, "run_id": self.run_id, "skipped_steps": self.skipped_steps,
+            "valid_history": self.valid_history,
             "recipe": self.cfg.name,
         }
         return self.ckpt.save(self.step, state, {"stream": self.stream.state_dict()}, dump_yaml(self.cfg), self.vocab.langs)
@@ -194,6 +200,7 @@ class Trainer:
         tok_log = 0
         loss_acc = nll_acc = 0.0
         ntok_acc = 0
+        skipped_log = 0
         steps_at_start = self.step
         stop = False
         while self.step < tc.max_steps and not stop:
@@ -215,6 +222,9 @@ class Trainer:
                 self.examples_seen += b.size
             info = eng.step()
             self.step += 1
+            if info.skipped:
+                self.skipped_steps += 1
+                skipped_log += 1
             self.tokens_seen += int(g_tok)
             tok_log += int(g_tok)
             if self.step % tc.log_every == 0 or self.step == tc.max_steps:
@@ -229,19 +239,21 @@ class Trainer:
                 metrics = {
                     "train/loss": l / max(nt, 1), "train/nll": nl / max(nt, 1), "train/lr": info.lr,
                     "train/grad_norm": info.grad_norm, "train/tokens_per_s": tps,
-                    "train/tokens_seen": self.tokens_seen, "train/skipped_steps": float(info.skipped),
+                    "train/tokens_seen": self.tokens_seen, "train/skipped_steps": float(self.skipped_steps),
                 }
                 self.loss_history.append((self.step, metrics["train/loss"]))
                 if eng.is_main:
                     log.info(
-                        "step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s | eta %s",
+                        "step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s | eta %s%s",
                         self.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps,
                         _fmt_secs(eta_steps),
+                        f" | skipped {skipped_log} (fp16 overflow; {self.skipped_steps} in all)" if skipped_log else "",
                     )
                     self.tracker.log_metrics(metrics, step=self.step)
                 loss_acc = nll_acc = 0.0
                 ntok_acc = 0
                 tok_log = 0
+                skipped_log = 0
                 t_log = time.time()
             if tc.valid_every and self.step % tc.valid_every == 0:
                 self._log_valid()

@@ -72,6 +72,49 @@ def configure_threads(cfg) -> None:
         torch.set_flush_denormal(True)
 
 
+def _checkpointed(layer: torch.nn.Module):
+    from torch.utils.checkpoint import checkpoint
+
+    inner = layer.forward
+
+    def forward(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            # non-reentrant: works with keyword arguments and ZeRO-3; dropout RNG is replayed
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return inner(*args, **kwargs)
+
+    return forward
+
+
+def prepare_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """Scale knobs applied before an engine wraps the model (same parameter names either way).
+
+    engine.activation_checkpointing: each encoder and decoder layer keeps only its input and
+    recomputes its activations in backward. engine.compile: ``Module.compile()`` in place, so
+    state-dict keys (and checkpoints) are unchanged.
+    """
+    if cfg.engine.activation_checkpointing:
+        n = 0
+        for name in ("encoder_layers", "decoder_layers"):
+            for layer in getattr(model, name, []) or []:
+                layer.forward = _checkpointed(layer)
+                n += 1
+        if n == 0:
+            from scaletrain.errors import ScaletrainError
+
+            raise ScaletrainError(
+                f"engine.activation_checkpointing: model {type(model).__name__} has no encoder_layers/decoder_layers"
+            )
+    if cfg.engine.compile:
+        model.compile()
+    return model
+
+
+def own_grad_norm(params) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
 class Engine(ABC):
     """What the loop needs: distributed info, forward/backward/step, collectives, checkpoints."""
 
@@ -114,6 +157,22 @@ class Engine(ABC):
 
     @abstractmethod
     def load(self, ckpt_dir: Path, tag: str) -> None: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters on every rank (ZeRO-3 partitions gathered), fp32 on CPU. Collective."""
+        mod = self.module
+        params = list(mod.parameters())
+        ctx = None
+        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitioned
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if ctx is None:
+            return {k: v.detach().float().cpu().clone() for k, v in mod.state_dict().items()}
+        with ctx:
+            keys = set(mod.state_dict(keep_vars=True))
+            named = dict(mod.named_parameters()) | dict(mod.named_buffers())
+            return {k: v.detach().float().cpu().clone() for k, v in named.items() if k in keys}
 
     # ---- collectives (gloo on CPU, nccl on GPU) -----------------------------------
     def all_reduce_sum(self, values: list[float]) -> list[float]:

@@ -8,15 +8,17 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import (
-    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env,
+    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env, own_grad_norm,
+    prepare_model,
 )
-from scaletrain.engine.ds_config import load_ds_config
+from scaletrain.engine.preflight import preflight
 
 
 class DeepSpeedEngine(Engine):
     def __init__(self, cfg):
         self.cfg = cfg
         ensure_dist_env()
+        self.ds_config = preflight(cfg, int(os.environ["WORLD_SIZE"]))  # before any process group
         configure_threads(cfg)
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         import deepspeed
@@ -34,10 +36,10 @@ class DeepSpeedEngine(Engine):
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
-        self.ds_config = load_ds_config(cfg, self.world_size)
         self._engine = None
 
     def setup(self, model):
+        model = prepare_model(model, self.cfg)
         optimizer = build_optimizer(model, self.cfg)
         scheduler = build_scheduler(optimizer, self.cfg)
         engine, _, _, _ = self._ds.initialize(
@@ -73,8 +75,7 @@ class DeepSpeedEngine(Engine):
         overflow_before = self._skipped()
         own = None
         if self._own_norm:
-            grads = [p.grad for p in self._engine.module.parameters() if p.grad is not None]
-            own = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            own = own_grad_norm(self._engine.module.parameters())
         self._engine.step()
         norm = own if own is not None else self._engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")

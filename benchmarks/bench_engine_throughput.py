@@ -1,0 +1,181 @@
+"""Training-step throughput: our byte Transformer (through the engine) vs Hugging Face MarianMTModel.
+
+    python benchmarks/bench_engine_throughput.py [--steps 5] [--warmup 2] [--batch 16] [--len 128]
+
+Same dimensions (the papers' base: d 512, 6+6 layers, FFN 2048, 8 heads), same vocabulary size, same
+batch shapes (B x L source and target, no padding), same optimizer (AdamW), same label-smoothed loss.
+A full step is forward + loss + backward + optimizer update.
+
+Rows: HF fp32, HF bf16 (torch.autocast, fp32 weights), ours fp32 and bf16 through the DeepSpeed engine
+(bf16 = DeepSpeed's bf16 mode: bf16 weights and activations, fp32 master weights), and ours with plain
+autocast and no engine (to separate the model from the engine path). Ratios are against HF in the same
+run; MFU is against the matmul peak measured in the same run (fp32 and bf16 GEMM of 2048^3).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LANGS = ["de", "fr", "ru", "ar", "hi", "ja", "zh", "en"]
+
+
+def matmul_peak(dtype, n=2048, reps=5) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def make_batch(B, L, vocab_size):
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab_size, (B, L), generator=g)
+    tgt = torch.randint(4, vocab_size, (B, L + 1), generator=g)
+    return src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
+
+
+def base_cfg(precision: str):
+    from scaletrain.config import load_config
+
+    return load_config("base", [
+        f"engine.precision={precision}", "engine.ds_config=zero0.json", "engine.grad_accum=1", "optim.clip_norm=0",
+        "optim.warmup_steps=10", "model.max_positions=256", "data.max_bytes=200", "tracking.enabled=false",
+        f"engine.threads={torch.get_num_threads()}",
+    ])
+
+
+def time_steps(step, warmup, steps) -> float:
+    for _ in range(warmup):
+        step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t) / steps
+
+
+def bench_hf(vocab_size, batch, bf16, warmup, steps):
+    from transformers import MarianConfig, MarianMTModel
+
+    from scaletrain.models.loss import label_smoothed_ce
+
+    cfg = MarianConfig(
+        vocab_size=vocab_size, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+        decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=256,
+        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, activation_function="relu", scale_embedding=True,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=1, share_encoder_decoder_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = MarianMTModel(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+    src, tgt_in, tgt_out = batch
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=src, decoder_input_ids=tgt_in).logits
+        loss, _, n = label_smoothed_ce(logits.float(), tgt_out, epsilon=0.1, ignore_index=0)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return time_steps(step, warmup, steps), sum(p.numel() for p in model.parameters())
+
+
+def bench_ours_engine(precision, batch, warmup, steps):
+    from scaletrain.engine import build_engine
+    from scaletrain.models import build_model
+    from scaletrain.models.loss import label_smoothed_ce
+    from scaletrain.vocab import ByteVocab
+
+    cfg = base_cfg(precision)
+    eng = build_engine(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, ByteVocab(LANGS).size)
+    n_params = sum(p.numel() for p in model.parameters())
+    eng.setup(model)
+    eng.train(True)
+    src, tgt_in, tgt_out = batch
+
+    def step():
+        logits = eng.forward(src, tgt_in)
+        loss, _, n = label_smoothed_ce(logits, tgt_out, epsilon=0.1, ignore_index=0)
+        eng.backward(loss / n)
+        eng.step()
+
+    return time_steps(step, warmup, steps), n_params, cfg
+
+
+def bench_ours_autocast(batch, warmup, steps):
+    from scaletrain.models import build_model
+    from scaletrain.models.loss import label_smoothed_ce
+    from scaletrain.vocab import ByteVocab
+
+    cfg = base_cfg("fp32")
+    torch.manual_seed(0)
+    model = build_model(cfg.model, ByteVocab(LANGS).size).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+    src, tgt_in, tgt_out = batch
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(src, tgt_in)
+        loss, _, n = label_smoothed_ce(logits.float(), tgt_out, epsilon=0.1, ignore_index=0)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return time_steps(step, warmup, steps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    from scaletrain.models import estimate_flops_per_token
+    from scaletrain.vocab import ByteVocab
+
+    V = ByteVocab(LANGS).size
+    batch = make_batch(args.batch, args.len, V)
+    tokens = args.batch * args.len  # target tokens per step
+    peak32, peak16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
+    rows = []
+    t, n_hf = bench_hf(V, batch, False, args.warmup, args.steps)
+    rows.append(("HF Marian fp32", t, "fp32"))
+    t, _ = bench_hf(V, batch, True, args.warmup, args.steps)
+    rows.append(("HF Marian bf16 autocast", t, "bf16"))
+    t, n_ours, cfg = bench_ours_engine("fp32", batch, args.warmup, args.steps)
+    rows.append(("ours fp32 (DeepSpeed engine)", t, "fp32"))
+    t, _, _ = bench_ours_engine("bf16", batch, args.warmup, args.steps)
+    rows.append(("ours bf16 (DeepSpeed engine)", t, "bf16"))
+    t = bench_ours_autocast(batch, args.warmup, args.steps)
+    rows.append(("ours bf16 autocast, no engine", t, "bf16"))
+    fpt = estimate_flops_per_token(cfg.model, args.len, args.len, V)
+    print(f"batch {args.batch}x{args.len} (src and tgt), vocab {V}, threads {args.threads}, "
+          f"params ours {n_ours/1e6:.1f}M / HF {n_hf/1e6:.1f}M, {fpt/1e6:.1f} MFLOP per target token")
+    print(f"measured GEMM peak: fp32 {peak32/1e9:.0f} GFLOP/s, bf16 {peak16/1e9:.0f} GFLOP/s "
+          f"(bf16/fp32 {peak16/peak32:.2f}x)")
+    hf = {p: tokens / t for name, t, p in rows if name.startswith("HF")}
+    print(f"{'run':34s} {'s/step':>8s} {'tok/s':>8s} {'vs HF same prec':>16s} {'vs HF bf16':>11s} {'MFU':>6s}")
+    for name, t, prec in rows:
+        tps = tokens / t
+        peak = peak16 if prec == "bf16" else peak32
+        print(f"{name:34s} {t:8.2f} {tps:8.0f} {tps / hf[prec]:15.2f}x {tps / hf['bf16']:10.2f}x "
+              f"{100 * tps * fpt / peak:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

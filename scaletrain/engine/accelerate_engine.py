@@ -1,0 +1,208 @@
+"""Accelerate implementation of the Engine: plain DDP or the DeepSpeed plugin (engine.accelerate).
+
+Runs under ``accelerate launch`` (our YAMLs in ds_configs/), under the ``deepspeed`` launcher, or as
+a single plain process. On CPU the process group is gloo and the world size Accelerate reports is
+checked against the launcher's WORLD_SIZE: Accelerate otherwise silently runs every process alone.
+
+Gradient accumulation uses ``Accelerator.accumulate`` (DDP ``no_sync`` on the micro-batches before
+the boundary, loss divided by the accumulation steps); the LR scheduler advances once per update.
+With the DeepSpeed plugin, Accelerate builds the DeepSpeed engine from our resolved ds_config and
+the micro-steps are driven exactly as in :class:`DeepSpeedEngine`, so both paths share checkpoints.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from scaletrain.engine.base import (
+    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env, own_grad_norm,
+    prepare_model,
+)
+from scaletrain.engine.preflight import preflight
+from scaletrain.errors import ScaletrainError
+
+MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+class AccelerateEngine(Engine):
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.mode = cfg.engine.accelerate
+        cuda = torch.cuda.is_available()
+        launcher_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if launcher_ds and self.mode != "deepspeed":
+            raise ScaletrainError(
+                "accelerate launch was given a DeepSpeed config (distributed_type: DEEPSPEED) but "
+                "engine.accelerate is 'ddp'; set engine.accelerate=deepspeed or launch with ds_configs/accelerate_ddp.yaml"
+            )
+        launcher_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if launcher_ds and launcher_file:
+            from scaletrain.engine.ds_config import resolve_ds_config_path
+
+            ours = resolve_ds_config_path(cfg.engine.ds_config).resolve()
+            theirs = Path(launcher_file)
+            if not theirs.is_file() or theirs.resolve() != ours:
+                raise ScaletrainError(
+                    f"the accelerate launch config names deepspeed_config_file {launcher_file} but engine.ds_config "
+                    f"is {cfg.engine.ds_config} ({ours}); make them the same file "
+                    "(launch.sh passes --deepspeed_config_file from engine.ds_config)"
+                )
+        expected = int(os.environ.get("WORLD_SIZE", "1"))
+        self.ds_config = preflight(cfg, expected)
+        configure_threads(cfg)
+        for noisy in ("DeepSpeed", "accelerate", "accelerate.checkpointing", "accelerate.accelerator"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+        backend = "nccl" if cuda else "gloo"
+        launched = "LOCAL_RANK" in os.environ or expected > 1
+        plugin = None
+        if self.mode == "deepspeed":
+            ensure_dist_env()
+            import deepspeed
+
+            # Accelerate would pick DeepSpeed's default backend (ccl on CPU); initialise gloo first.
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+            plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config)
+        self.acc = Accelerator(
+            cpu=not cuda and self.mode == "ddp",
+            deepspeed_plugin=plugin,
+            mixed_precision=MIXED[cfg.engine.precision],
+            gradient_accumulation_steps=cfg.engine.grad_accum,
+            step_scheduler_with_optimizer=False,  # else it steps the schedule once per process
+            # a plain single process must not name a backend: Accelerate would then expect a process group
+            kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if launched else [],
+        )
+        if self.acc.num_processes != expected:
+            raise ScaletrainError(
+                f"Accelerate runs {self.acc.num_processes} process(es) but the launcher started {expected} "
+                f"(WORLD_SIZE); on CPU the process group must be gloo and the launch config use_cpu: true"
+            )
+        self.rank = self.acc.process_index
+        self.world_size = self.acc.num_processes
+        self.local_rank = self.acc.local_process_index
+        self.device = self.acc.device
+        self.model = None
+        self._ds = None
+        self._micro = 0
+        self._ctx = None
+
+    # ------------------------------------------------------------------------------
+    def setup(self, model):
+        model = prepare_model(model, self.cfg)
+        optimizer = build_optimizer(model, self.cfg)
+        scheduler = build_scheduler(optimizer, self.cfg)
+        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        if self.mode == "deepspeed":
+            self._ds = self.acc.deepspeed_engine_wrapped.engine
+            e = self._ds
+            self._own_norm = not (e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization())
+            self.device = e.device if isinstance(e.device, torch.device) else torch.device(e.device)
+
+    @property
+    def module(self):
+        return self.acc.unwrap_model(self.model) if self._ds is None else self._ds.module
+
+    @property
+    def zero_stage(self) -> int:
+        return self._ds.zero_optimization_stage() if self._ds is not None else 0
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+
+    def forward(self, src, tgt_in):
+        if self._ds is None and self.model.training and torch.is_grad_enabled():
+            # DDP reads no_sync at forward time: enter the accumulation context here, leave after backward.
+            if self._ctx is not None:
+                raise RuntimeError("AccelerateEngine.forward called twice without backward")
+            self._ctx = contextlib.ExitStack()
+            self._ctx.enter_context(self.acc.accumulate(self.model))
+        return self.model(src, tgt_in)
+
+    def backward(self, loss):
+        if self._ds is not None:
+            self._ds.backward(loss)
+            if not self._ds.is_gradient_accumulation_boundary():
+                self._ds.step()  # DeepSpeed counts micro-steps; it only updates at the boundary
+            return
+        try:
+            self.acc.backward(loss)  # divides by gradient_accumulation_steps
+        finally:
+            ctx, self._ctx = self._ctx, None
+            if ctx is not None:
+                ctx.close()
+
+    def step(self) -> StepInfo:
+        clip = float(self.cfg.optim.clip_norm)
+        if self._ds is not None:
+            before = int(getattr(self._ds, "skipped_steps", 0) or 0)
+            own = own_grad_norm(self._ds.module.parameters()) if self._own_norm else None
+            self._ds.step()
+            norm = own if own is not None else self._ds.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+            skipped = int(getattr(self._ds, "skipped_steps", 0) or 0) > before
+            if not skipped:
+                # Accelerate hands DeepSpeed only its own scheduler types; ours is stepped here, once per update
+                self.scheduler.step()
+            return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+        if not self.acc.sync_gradients:
+            raise RuntimeError(
+                f"step() before the accumulation boundary: call forward/backward engine.grad_accum="
+                f"{self.cfg.engine.grad_accum} times per step"
+            )
+        if clip > 0:
+            norm = float(self.acc.clip_grad_norm_(self.model.parameters(), clip))
+        else:
+            self.acc.unscale_gradients()
+            norm = own_grad_norm(self.model.parameters())
+        self.optimizer.step()
+        skipped = bool(self.optimizer.step_was_skipped)
+        if not skipped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+
+    @property
+    def lr(self) -> float:
+        if self._ds is not None:
+            return float(self._ds.get_lr()[0])
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def autocast(self):
+        return self.acc.autocast()
+
+    # ------------------------------------------------------------------------------
+    def save(self, ckpt_dir: Path, tag: str) -> None:
+        if self._ds is not None:
+            self._ds.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+            if self.is_main:  # the LR schedule is ours, not DeepSpeed's (see step())
+                torch.save(self.scheduler.state_dict(), Path(ckpt_dir) / tag / "scheduler.pt")
+            return
+        # model.safetensors (rank 0), optimizer.bin, scheduler.bin, per-rank RNG
+        self.acc.save_state(str(Path(ckpt_dir) / tag), safe_serialization=True)
+
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        if self._ds is not None:
+            path, _ = self._ds.load_checkpoint(
+                str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+            if path is None:
+                raise ScaletrainError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
+            sched = Path(ckpt_dir) / tag / "scheduler.pt"
+            if not sched.is_file():
+                raise ScaletrainError(f"{sched} missing: this checkpoint was not written by the Accelerate DeepSpeed engine")
+            self.scheduler.load_state_dict(torch.load(sched, weights_only=False))
+            return
+        d = Path(ckpt_dir) / tag
+        if not (d / "optimizer.bin").is_file():
+            raise ScaletrainError(
+                f"{d}: not an Accelerate DDP checkpoint (no optimizer.bin); it was written by another engine "
+                "(DeepSpeed); resume it with the engine that wrote it"
+            )
+        self.acc.load_state(str(d))

@@ -1,0 +1,140 @@
+"""Atomic checkpoints: a crash during a save leaves the previous checkpoint loadable and `latest`
+never names a partial one; resuming with another world size fails with a clear message.
+
+A one-process engine stands in for DeepSpeed/Accelerate here (CheckpointManager only needs save/load,
+rank, world size and a barrier), so these tests are fast and can crash the writer on purpose.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from scaletrain.checkpoint import CheckpointManager, latest_tag, resolve_checkpoint
+from scaletrain.errors import ScaletrainError
+
+
+class LocalEngine:
+    rank, world_size, is_main = 0, 1, True
+
+    def __init__(self, model, crash_in_save: bool = False):
+        self.model, self.crash_in_save = model, crash_in_save
+
+    def barrier(self):
+        pass
+
+    def save(self, root: Path, tag: str):
+        d = Path(root) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(self.model.state_dict(), d / "model.pt")
+        if self.crash_in_save:
+            raise OSError("disk full (simulated) while writing optimizer states")
+
+    def load(self, root: Path, tag: str):
+        self.model.load_state_dict(torch.load(Path(root) / tag / "model.pt"))
+
+
+def _save(mgr: CheckpointManager, step: int, world_size: int = 1):
+    state = {"step": step, "tokens_seen": 10 * step, "examples_seen": step, "world_size": world_size}
+    return mgr.save(step, state, {"stream": {"pos": step}}, "name: t\n", ["de", "ru"])
+
+
+def _model(fill: float):
+    m = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(fill)
+    return m
+
+
+def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
+    m = _model(1.0)
+    mgr = CheckpointManager(tmp_path, LocalEngine(m), keep_last=3)
+    _save(mgr, 10)
+    with torch.no_grad():
+        m.weight.fill_(2.0)
+    mgr.engine.crash_in_save = True
+    with pytest.raises(OSError, match="simulated"):
+        _save(mgr, 20)
+    root = tmp_path / "checkpoints"
+    assert (root / "step-0000020.partial").is_dir() and not (root / "step-0000020").exists()
+    assert mgr.latest() == "step-0000010"
+    # the previous checkpoint loads and restores the old weights and stream state
+    fresh = _model(0.0)
+    state, rank_state = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load("step-0000010")
+    assert state["step"] == 10 and rank_state["stream"] == {"pos": 10}
+    assert torch.all(fresh.weight == 1.0)
+    # the next save after the crash replaces the leftover partial and succeeds
+    mgr.engine.crash_in_save = False
+    _save(mgr, 20)
+    assert mgr.latest() == "step-0000020" and not (root / "step-0000020.partial").exists()
+    assert resolve_checkpoint(tmp_path) == root / "step-0000020"
+
+
+KILL_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint_atomic import CheckpointManager, LocalEngine, _model, _save
+mgr = CheckpointManager({out!r}, LocalEngine(_model(1.0)), keep_last=3)
+_save(mgr, 10)
+real_replace = os.replace
+def dying_replace(src, dst):
+    if {when!r} == "rename" and str(src).endswith(".partial"):
+        os._exit(9)              # killed after the engine wrote everything, before the rename
+    if {when!r} == "latest" and str(dst).endswith("latest") and "0000020" in open(src).read():
+        os._exit(9)              # killed after the rename, before `latest` moved
+    return real_replace(src, dst)
+os.replace = dying_replace
+import scaletrain.checkpoint as ck
+ck.os.replace = dying_replace
+_save(mgr, 20)
+"""
+
+
+@pytest.mark.parametrize("when", ["rename", "latest"])
+def test_process_killed_during_save(tmp_path, when):
+    script = KILL_SCRIPT.format(tests=str(ROOT / "tests"), out=str(tmp_path), when=when)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 9, p.stderr[-2000:]
+    root = tmp_path / "checkpoints"
+    # `latest` still names the complete step-10 checkpoint, which loads
+    assert (root / "latest").read_text().strip() == "step-0000010"
+    assert latest_tag(root) == "step-0000010"
+    fresh = _model(0.0)
+    state, _ = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load(latest_tag(root))
+    assert state["step"] == 10 and torch.all(fresh.weight == 1.0)
+    if when == "rename":
+        assert (root / "step-0000020.partial" / "model.pt").is_file() and not (root / "step-0000020").exists()
+    else:
+        assert (root / "step-0000020" / "trainer_state.json").is_file()  # complete, just not yet `latest`
+    assert not any(p.name.startswith("latest.tmp") and p.stat().st_size == 0 for p in root.iterdir())
+
+
+def test_latest_naming_a_partial_checkpoint_is_refused(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-0000005").mkdir(parents=True)
+    (root / "latest").write_text("step-0000005\n")
+    with pytest.raises(ScaletrainError, match="not a complete checkpoint"):
+        latest_tag(root)
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    mgr = CheckpointManager(tmp_path, LocalEngine(_model(1.0)), keep_last=2)
+    for s in (1, 2, 3):
+        _save(mgr, s)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert names == ["step-0000002", "step-0000003"]
+    assert json.loads((tmp_path / "checkpoints" / "step-0000003" / "langs.json").read_text()) == ["de", "ru"]
+
+
+def test_resume_with_a_different_world_size_is_a_clear_error(tmp_path):
+    mgr = CheckpointManager(tmp_path, LocalEngine(_model(1.0)), keep_last=2)
+    _save(mgr, 4, world_size=2)  # as if written by 2 ranks
+    one = CheckpointManager(tmp_path, LocalEngine(_model(0.0)), keep_last=2)
+    with pytest.raises(ScaletrainError, match=r"written by 2 ranks but this run has 1.*same world size"):
+        one.load(one.latest())

@@ -1,0 +1,90 @@
+"""The one training loop against the Engine interface, in-process with a minimal engine (fast).
+
+fp16 overflow steps are GPU-only in practice; here an engine reports some updates as skipped (as
+DeepSpeed's dynamic loss scaler does) and the loop must count them in the log, the metrics and the
+checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from scaletrain.config import load_config
+from scaletrain.engine.base import Engine, StepInfo, build_optimizer, build_scheduler
+
+TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
+        "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
+        "train.valid_every=0", "train.valid_max_batches=1", "train.save_every=0", "tracking.enabled=false",
+        "train.max_steps=6"]
+
+
+class SkippingEngine(Engine):
+    """World of one; updates listed in ``skip`` are dropped like an fp16 overflow (no update, no LR step)."""
+
+    def __init__(self, cfg, skip=(2, 3)):
+        self.cfg, self.skip, self.updates = cfg, set(skip), 0
+
+    def setup(self, model):
+        self._m = model
+        self.opt = build_optimizer(model, self.cfg)
+        self.sched = build_scheduler(self.opt, self.cfg)
+
+    @property
+    def module(self):
+        return self._m
+
+    def train(self, mode=True):
+        self._m.train(mode)
+
+    def forward(self, src, tgt_in):
+        return self._m(src, tgt_in)
+
+    def backward(self, loss):
+        (loss / self.cfg.engine.grad_accum).backward()
+
+    def step(self):
+        self.updates += 1
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in self._m.parameters() if p.grad is not None]))
+        skipped = self.updates in self.skip
+        if not skipped:
+            self.opt.step()
+            self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+
+    @property
+    def lr(self):
+        return self.opt.param_groups[0]["lr"]
+
+    def save(self, ckpt_dir, tag):
+        (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+        torch.save(self._m.state_dict(), ckpt_dir / tag / "model.pt")
+
+    def load(self, ckpt_dir, tag):
+        self._m.load_state_dict(torch.load(ckpt_dir / tag / "model.pt"))
+
+
+def test_skipped_updates_are_counted_in_log_metrics_and_checkpoint(django_shards, tmp_path, monkeypatch, caplog):
+    import scaletrain.train as train_mod
+
+    monkeypatch.setattr(train_mod, "build_engine", lambda cfg: SkippingEngine(cfg))
+    cfg = load_config("small", [*TINY, f"data.shards={django_shards}", f"train.out_dir={tmp_path}"])
+    trainer = train_mod.Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.engine.module.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        res = trainer.fit()
+    trainer.close()
+    assert res.steps == 6 and trainer.skipped_steps == 2
+    lines = [r.getMessage() for r in caplog.records if "| loss" in r.getMessage()]
+    assert len(lines) == 3
+    # log every 2 updates; updates 2 and 3 were skipped
+    assert "skipped 1 (fp16 overflow; 1 in all)" in lines[0]
+    assert "skipped 1 (fp16 overflow; 2 in all)" in lines[1]
+    assert "skipped" not in lines[2]
+    state = json.loads((tmp_path / "checkpoints" / "step-0000006" / "trainer_state.json").read_text())
+    assert state["skipped_steps"] == 2
+    # 4 real updates happened (the LR schedule advanced 4 times, not 6)
+    assert trainer.engine.sched.last_epoch == 4
+    assert any(not torch.equal(before[k], v) for k, v in trainer.engine.module.state_dict().items())
