@@ -72,6 +72,7 @@ class TrainConfig:
     best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
     best_mode: str = "max"  # max | min
     patience: int = 0  # early stop after N validations without improvement (0 = off)
+    best_min_delta: float = 0.0  # an improvement must beat the best by more than this
 
 
 @dataclass
@@ -330,6 +331,8 @@ def validate(cfg: Config) -> None:
     for k in ("bleu_every", "patience", "valid_every", "save_every"):
         if getattr(cfg.train, k) < 0:
             bad(f"train.{k}", "must be >= 0")
+    if cfg.train.best_min_delta < 0:
+        bad("train.best_min_delta", "must be >= 0")
     if cfg.train.patience and not cfg.train.best_metric:
         bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
     if cfg.eval.beam < 1:

@@ -25,6 +25,7 @@ from scaletrain.data.stream import ShardStream
 from scaletrain.engine import build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.loss import label_smoothed_ce
+from scaletrain.models.stats import routing_metrics
 from scaletrain.vocab import ByteVocab
 
 log = logging.getLogger("scaletrain")
@@ -92,6 +93,13 @@ class Trainer:
         )
         self.out_dir = cfg.out_dir
         self.ckpt = CheckpointManager(self.out_dir, eng, cfg.train.keep_last)
+        from scaletrain.validation import BestCheckpoint, BleuValidator
+
+        tc = cfg.train
+        self.bleu = BleuValidator.from_config(cfg, self.vocab, cfg.eval.valid_lines) if tc.bleu_every else None
+        self.best = BestCheckpoint(
+            self.ckpt.root, tc.best_metric, tc.best_mode, tc.patience, tc.best_min_delta
+        ) if tc.best_metric else None
         self.step = 0
         self.tokens_seen = 0
         self.examples_seen = 0
@@ -137,6 +145,8 @@ class Trainer:
         self.examples_seen = state["examples_seen"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.valid_history = [tuple(x) for x in state.get("valid_history", [])]
+        if self.best is not None and state.get("best"):
+            self.best.load_state_dict(state["best"])
         self.stream.load_state_dict(rank_state["stream"])
         if self.engine.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.step)
@@ -147,6 +157,7 @@ class Trainer:
             "step": self.step, "tokens_seen": self.tokens_seen, "examples_seen": self.examples_seen,
             "world_size": self.engine.world_size, "run_id": self.run_id, "skipped_steps": self.skipped_steps,
             "valid_history": self.valid_history,
+            "best": self.best.state_dict() if self.best is not None else None,
             "recipe": self.cfg.name,
         }
         return self.ckpt.save(self.step, state, {"stream": self.stream.state_dict()}, dump_yaml(self.cfg), self.vocab.langs)
@@ -173,6 +184,7 @@ class Trainer:
             nll += float(nll_sum)
             n += int(ntok)
         tot_nll, tot_n = eng.all_reduce_sum([nll, n])
+        routing_metrics(eng.module, reset=True)  # routing statistics describe training batches only
         eng.train(True)
         return tot_nll / max(tot_n, 1)
 
@@ -193,6 +205,8 @@ class Trainer:
             )
             if self.tracker:
                 self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.step)
+        if tc.valid_every and self.step == 0:
+            self._log_valid()  # the start of the validation curve
         it = iter(self.stream)
         eng.train(True)
         t_start = time.time()
@@ -250,15 +264,33 @@ class Trainer:
                         f" | skipped {skipped_log} (fp16 overflow; {self.skipped_steps} in all)" if skipped_log else "",
                     )
                     self.tracker.log_metrics(metrics, step=self.step)
+                routing = routing_metrics(eng.module, self.vocab.langs)  # MoCE: expert shares, mean radius
+                if eng.is_main and routing:
+                    self.tracker.log_metrics(routing, step=self.step)
                 loss_acc = nll_acc = 0.0
                 ntok_acc = 0
                 tok_log = 0
                 skipped_log = 0
                 t_log = time.time()
+            metrics = {}
             if tc.valid_every and self.step % tc.valid_every == 0:
-                self._log_valid()
-            if tc.save_every and self.step % tc.save_every == 0:
-                self.save()
+                metrics["valid/nll"] = self._log_valid()
+            if tc.bleu_every and self.step % tc.bleu_every == 0:
+                metrics.update(self._bleu_valid())
+            decision = None
+            if self.best is not None and self.best.metric in metrics:
+                decision = self.best.update(self.step, metrics)  # same metrics on every rank -> same decision
+            if (tc.save_every and self.step % tc.save_every == 0) or (decision is not None and decision.improved):
+                saved = self.save()
+                if decision is not None and decision.improved:
+                    if eng.is_main:
+                        self.best.keep(saved)
+                    eng.barrier()
+            if decision is not None and decision.stop:
+                if eng.is_main:
+                    log.info("early stop at step %d: %s best %.4f at step %d (patience %d)", self.step,
+                             self.best.metric, decision.best_value, decision.best_step, tc.patience)
+                stop = True
         train_seconds = time.time() - t_start
         if not self.valid_history or self.valid_history[-1][0] != self.step:
             self._log_valid()
@@ -272,12 +304,29 @@ class Trainer:
             train_seconds=train_seconds, run_id=self.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final),
         )
 
-    def _log_valid(self) -> None:
+    def _log_valid(self) -> float:
         v = self.validate()
         self.valid_history.append((self.step, v))
         if self.engine.is_main:
             log.info("step %6d | valid nll %.4f (%.3f bits/byte)", self.step, v, v / math.log(2))
             self.tracker.log_metrics({"valid/nll": v}, step=self.step)
+        return v
+
+    def _bleu_valid(self) -> dict:
+        from scaletrain.validation import decoding_model
+
+        eng = self.engine
+        model = decoding_model(eng, self.cfg.model, self.vocab.size)  # collective under ZeRO-3
+        res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size)  # collective (all_gather_object)
+        del model
+        routing_metrics(eng.module, reset=True)
+        eng.train(True)
+        if eng.is_main:
+            a = res.report.average("all")
+            log.info("step %6d | valid BLEU %.2f chrF %.2f on %d lines (%.1fs)", self.step, a.bleu, a.chrf,
+                     res.lines, res.seconds)
+            self.tracker.log_metrics(res.metrics, step=self.step)
+        return res.metrics
 
     def close(self, status: str = "FINISHED") -> None:
         if self.tracker is not None:
