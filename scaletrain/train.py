@@ -107,6 +107,7 @@ class Trainer:
         self.run_id: str | None = None
         self.valid_history: list[tuple[int, float]] = []
         self.loss_history: list[tuple[int, float]] = []
+        self.last_routing: dict[str, float] = {}  # MoCE routing metrics of the last log line
         self.tracker = None
 
     # ------------------------------------------------------------------------------
@@ -265,6 +266,7 @@ class Trainer:
                     )
                     self.tracker.log_metrics(metrics, step=self.step)
                 routing = routing_metrics(eng.module, self.vocab.langs)  # MoCE: expert shares, mean radius
+                self.last_routing = routing
                 if eng.is_main and routing:
                     self.tracker.log_metrics(routing, step=self.step)
                 loss_acc = nll_acc = 0.0
