@@ -15,7 +15,7 @@ from scaletrain.checkpoint import atomic_write_text, load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
 from scaletrain.generate import translate_examples
-from scaletrain.metrics import Record, format_table, report_to_json, score_copy_baseline, score_directions
+from scaletrain.metrics import example_records, format_table, report_to_json, score_copy_baseline, score_directions
 
 log = logging.getLogger("scaletrain")
 
@@ -62,10 +62,7 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
     L = vocab.langs
     refs = [ex.tgt.decode("utf-8", errors="replace") for ex in examples]
     srcs = [ex.src.decode("utf-8", errors="replace") for ex in examples]
-    records = [
-        Record(L[ex.src_lang], L[ex.tgt_lang], hyp, ref, inv)
-        for ex, hyp, ref, inv in zip(examples, res.texts, refs, res.invalid)
-    ]
+    records = example_records(examples, L, res.texts, res.invalid)
     report = score_directions(records, pivot=ec.pivot, groups=ec.groups or None)
     baseline = score_copy_baseline(
         [(L[ex.src_lang], L[ex.tgt_lang], s, r) for ex, s, r in zip(examples, srcs, refs)],

@@ -250,6 +250,17 @@ def score_directions(
     return Report(directions, averages, pivot, sacrebleu.__version__, signatures)
 
 
+def example_records(examples, langs: Sequence[str], hypotheses: Sequence[str],
+                    invalid: Sequence[int] | None = None) -> list[Record]:
+    """Records for decoded :class:`~scaletrain.data.batch.Example` s: language codes from ``langs``
+    (manifest order), references decoded from the target bytes."""
+    inv = invalid if invalid is not None else [None] * len(hypotheses)
+    return [
+        Record(langs[ex.src_lang], langs[ex.tgt_lang], hyp, ex.tgt.decode("utf-8", errors="replace"), n)
+        for ex, hyp, n in zip(examples, hypotheses, inv)
+    ]
+
+
 def copy_source_records(records: Iterable[Sequence[str]]) -> list[Record]:
     """Copy-the-source baseline: (src_lang, tgt_lang, source, reference) -> records whose hypothesis is the
     source text. Scores above this baseline mean the model translates rather than copies."""

@@ -38,7 +38,7 @@ import torch
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
 from scaletrain.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
-from scaletrain.metrics import Record, Report, report_to_metrics, score_directions
+from scaletrain.metrics import Report, example_records, report_to_metrics, score_directions
 from scaletrain.vocab import ByteVocab
 
 __all__ = [
@@ -122,9 +122,6 @@ class BleuValidator:
         self.decode_kw = dict(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
                               batch_tokens=batch_tokens)
         self.pivot, self.groups, self.tokenize, self.prefix = pivot, dict(groups or {}), tokenize, prefix
-        L = vocab.langs
-        self._refs = [ex.tgt.decode("utf-8", errors="replace") for ex in self.examples]
-        self._dirs = [(L[ex.src_lang], L[ex.tgt_lang]) for ex in self.examples]
 
     @classmethod
     def from_config(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
@@ -164,7 +161,7 @@ class BleuValidator:
         missing = [i for i, h in enumerate(hyps) if h is None]
         if missing:
             raise ScaletrainError(f"BleuValidator: {len(missing)} lines were decoded by no rank (first: {missing[:5]})")
-        records = [Record(s, t, h, r, inv) for (s, t), h, r, inv in zip(self._dirs, hyps, self._refs, invalid)]
+        records = example_records(self.examples, self.vocab.langs, hyps, invalid)
         report = score_directions(records, pivot=self.pivot, groups=self.groups or None, tokenize=self.tokenize)
         return ValidationResult(report, report_to_metrics(report, self.prefix), len(records), len(idx),
                                 time.time() - t0, hypotheses=list(hyps))
