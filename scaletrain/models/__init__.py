@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from scaletrain.models import kernels
 from scaletrain.models.config import ModelConfig
 from scaletrain.models.registry import available_models, check_config, register_model
 from scaletrain.models.transformer import (
@@ -47,6 +48,7 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     from scaletrain.models import registry
 
     check_config(cfg, vocab_size)
+    kernels.configure(cfg.kernels)
     return registry._REGISTRY[cfg.arch](cfg, vocab_size)
 
 

@@ -20,6 +20,8 @@ class ModelConfig:
     max_positions: int = 1024
     share_embeddings: bool = True  # tie encoder/decoder input embeddings and output projection
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+    # auto: faster attention backward / dropout masks on CPU (see scaletrain.models.kernels); torch: stock ops
+    kernels: str = "auto"
 
     # ---- added by the model package (all optional; defaults = plain Transformer) ----------
     # explicit dropout switches (Embeddingless removes encoder-input and last-decoder-layer dropout)

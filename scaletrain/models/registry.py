@@ -56,6 +56,8 @@ def check_config(cfg: ModelConfig, vocab_size: int) -> None:
             _fail(key, f"must be a probability in [0, 1), got {v!r}")
     if cfg.activation not in ("relu", "gelu"):
         _fail("activation", f"must be 'relu' or 'gelu', got {cfg.activation!r}")
+    if cfg.kernels not in ("auto", "torch"):
+        _fail("kernels", f"must be 'auto' or 'torch', got {cfg.kernels!r}")
     if cfg.embedding not in ("learned", "onehot"):
         _fail("embedding", f"must be 'learned' or 'onehot', got {cfg.embedding!r}")
     if cfg.embedding == "onehot" and vocab_size > cfg.d_model:

@@ -5,7 +5,7 @@ Read top to bottom: positions -> embeddings -> attention -> layers -> encoder / 
 Conventions
 - Tensors are batch first: tokens [B, T], states [B, T, D], per-head states [B, H, T, Dh].
 - ``pad_mask`` is a bool tensor [B, S] with True at padding (PAD id 0, see ``scaletrain.vocab``).
-- Attention masks handed to ``scaled_dot_product_attention`` are bool with True = may attend.
+- Attention masks handed to ``kernels.attention`` (SDPA or its CPU twin) are bool with True = may attend.
 - Targets are right padded (``scaletrain.data.batch``), so in the decoder every pad key lies in the
   future of every real query and the causal mask alone hides it: decoder self-attention runs with
   ``is_causal=True`` and no pad mask (the fast fused kernels accept that).
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.models import kernels
 from scaletrain.models.config import ModelConfig
 from scaletrain.vocab import PAD
 
@@ -209,7 +210,7 @@ class MultiheadAttention(nn.Module):
 
     def attend(self, q, k, v, mask=None, is_causal=False, scale=None) -> torch.Tensor:
         p = self.attention_dropout if self.training else 0.0
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+        o = kernels.attention(q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=p)
         return self.out_proj(self.merge(o))
 
 
@@ -245,7 +246,7 @@ class FeedForward(nn.Module):
         self.activation_dropout = activation_dropout
 
     def forward(self, x):
-        h = F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
+        h = kernels.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
         return self.fc2(h)
 
 
@@ -260,8 +261,8 @@ class _Residual(nn.Module):
 
     def forward(self, x, fn):
         if self.pre_ln:
-            return x + F.dropout(fn(self.norm(x)), self.dropout, self.training)
-        return self.norm(x + F.dropout(fn(x), self.dropout, self.training))
+            return x + kernels.dropout(fn(self.norm(x)), self.dropout, self.training)
+        return self.norm(x + kernels.dropout(fn(x), self.dropout, self.training))
 
 
 class EncoderLayer(nn.Module):
@@ -393,7 +394,7 @@ class Transformer(nn.Module):
         e = self.embeddings(src, "encoder")
         x = e + self.positions(src).to(dtype=e.dtype)
         if self.cfg.encoder_input_dropout:
-            x = F.dropout(x, self.cfg.dropout, self.training)
+            x = kernels.dropout(x, self.cfg.dropout, self.training)
         return x
 
     def encode(self, src: torch.Tensor) -> EncoderOut:
@@ -415,7 +416,7 @@ class Transformer(nn.Module):
         e = self.embeddings(tokens, "decoder")
         x = e + pos.to(dtype=e.dtype)
         if self.cfg.decoder_input_dropout:
-            x = F.dropout(x, self.cfg.dropout, self.training)
+            x = kernels.dropout(x, self.cfg.dropout, self.training)
         return x
 
     def _decoder_output(self, x: torch.Tensor) -> torch.Tensor:
