@@ -1,6 +1,6 @@
 """Training-step throughput: our byte Transformer (through the engine) vs Hugging Face MarianMTModel.
 
-    python benchmarks/bench_engine_throughput.py [--steps 5] [--warmup 2] [--batch 16] [--len 128]
+    python benchmarks/bench_engine_throughput.py [--rounds 5] [--steps 2] [--warmup 2] [--batch 16] [--len 128]
 
 Same dimensions (the papers' base: d 512, 6+6 layers, FFN 2048, 8 heads), same vocabulary size, same
 batch shapes (B x L source and target, no padding), same optimizer (AdamW), same label-smoothed loss.
@@ -9,12 +9,14 @@ A full step is forward + loss + backward + optimizer update.
 Rows: HF fp32, HF bf16 (torch.autocast, fp32 weights), ours fp32 and bf16 through the DeepSpeed engine
 (bf16 = DeepSpeed's bf16 mode: bf16 weights and activations, fp32 master weights), and ours with plain
 autocast and no engine (to separate the model from the engine path). Ratios are against HF in the same
-run; MFU is against the matmul peak measured in the same run (fp32 and bf16 GEMM of 2048^3).
+run (per round, then the median over rounds: the shared host's speed drifts by tens of percent); MFU is
+against the matmul peak measured in the same run (fp32 and bf16 GEMM of 2048^3).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,7 +64,7 @@ def time_steps(step, warmup, steps) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def bench_hf(vocab_size, batch, bf16, warmup, steps):
+def build_hf(vocab_size, batch, bf16):
     from transformers import MarianConfig, MarianMTModel
 
     from scaletrain.models.loss import label_smoothed_ce
@@ -86,10 +88,10 @@ def bench_hf(vocab_size, batch, bf16, warmup, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return time_steps(step, warmup, steps), sum(p.numel() for p in model.parameters())
+    return step, sum(p.numel() for p in model.parameters())
 
 
-def bench_ours_engine(precision, batch, warmup, steps):
+def build_ours_engine(precision, batch):
     from scaletrain.engine import build_engine
     from scaletrain.models import build_model
     from scaletrain.models.loss import label_smoothed_ce
@@ -110,10 +112,10 @@ def bench_ours_engine(precision, batch, warmup, steps):
         eng.backward(loss / n)
         eng.step()
 
-    return time_steps(step, warmup, steps), n_params, cfg
+    return step, n_params, cfg
 
 
-def bench_ours_autocast(batch, warmup, steps):
+def build_ours_autocast(batch):
     from scaletrain.models import build_model
     from scaletrain.models.loss import label_smoothed_ce
     from scaletrain.vocab import ByteVocab
@@ -132,12 +134,13 @@ def bench_ours_autocast(batch, warmup, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return time_steps(step, warmup, steps)
+    return step
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; every contender runs in every round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--len", type=int, default=128)
@@ -152,29 +155,41 @@ def main():
     batch = make_batch(args.batch, args.len, V)
     tokens = args.batch * args.len  # target tokens per step
     peak32, peak16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
-    rows = []
-    t, n_hf = bench_hf(V, batch, False, args.warmup, args.steps)
-    rows.append(("HF Marian fp32", t, "fp32"))
-    t, _ = bench_hf(V, batch, True, args.warmup, args.steps)
-    rows.append(("HF Marian bf16 autocast", t, "bf16"))
-    t, n_ours, cfg = bench_ours_engine("fp32", batch, args.warmup, args.steps)
-    rows.append(("ours fp32 (DeepSpeed engine)", t, "fp32"))
-    t, _, _ = bench_ours_engine("bf16", batch, args.warmup, args.steps)
-    rows.append(("ours bf16 (DeepSpeed engine)", t, "bf16"))
-    t = bench_ours_autocast(batch, args.warmup, args.steps)
-    rows.append(("ours bf16 autocast, no engine", t, "bf16"))
+    hf32, n_hf = build_hf(V, batch, False)
+    hf16, _ = build_hf(V, batch, True)
+    ours32, n_ours, cfg = build_ours_engine("fp32", batch)
+    ours16, _, _ = build_ours_engine("bf16", batch)
+    ours_ac = build_ours_autocast(batch)
+    contenders = [
+        ("HF Marian fp32", hf32, "fp32"),
+        ("HF Marian bf16 autocast", hf16, "bf16"),
+        ("ours fp32 (DeepSpeed engine)", ours32, "fp32"),
+        ("ours bf16 (DeepSpeed engine)", ours16, "bf16"),
+        ("ours bf16 autocast, no engine", ours_ac, "bf16"),
+    ]
+    for _, step, _ in contenders:
+        for _ in range(args.warmup):
+            step()
+    # The machine's speed drifts (shared host): every round times every contender back to back, and
+    # each ratio is taken within a round before the median over rounds.
+    times = {name: [] for name, _, _ in contenders}
+    for _ in range(args.rounds):
+        for name, step, _ in contenders:
+            times[name].append(time_steps(step, 0, args.steps))
     fpt = estimate_flops_per_token(cfg.model, args.len, args.len, V)
     print(f"batch {args.batch}x{args.len} (src and tgt), vocab {V}, threads {args.threads}, "
           f"params ours {n_ours/1e6:.1f}M / HF {n_hf/1e6:.1f}M, {fpt/1e6:.1f} MFLOP per target token")
     print(f"measured GEMM peak: fp32 {peak32/1e9:.0f} GFLOP/s, bf16 {peak16/1e9:.0f} GFLOP/s "
-          f"(bf16/fp32 {peak16/peak32:.2f}x)")
-    hf = {p: tokens / t for name, t, p in rows if name.startswith("HF")}
+          f"(bf16/fp32 {peak16/peak32:.2f}x); {args.rounds} rounds x {args.steps} steps, medians")
+    hf_name = {"fp32": "HF Marian fp32", "bf16": "HF Marian bf16 autocast"}
     print(f"{'run':34s} {'s/step':>8s} {'tok/s':>8s} {'vs HF same prec':>16s} {'vs HF bf16':>11s} {'MFU':>6s}")
-    for name, t, prec in rows:
-        tps = tokens / t
+    for name, _, prec in contenders:
+        t = statistics.median(times[name])
+        same = statistics.median(h / o for h, o in zip(times[hf_name[prec]], times[name]))
+        vs16 = statistics.median(h / o for h, o in zip(times[hf_name["bf16"]], times[name]))
         peak = peak16 if prec == "bf16" else peak32
-        print(f"{name:34s} {t:8.2f} {tps:8.0f} {tps / hf[prec]:15.2f}x {tps / hf['bf16']:10.2f}x "
-              f"{100 * tps * fpt / peak:5.1f}%")
+        tps = tokens / t
+        print(f"{name:34s} {t:8.2f} {tps:8.0f} {same:15.2f}x {vs16:10.2f}x {100 * tps * fpt / peak:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,11 @@ def inverse_sqrt_factor(lr: float, warmup: int, warmup_init_lr: float):
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    if getattr(o, "fused", True) and fusable:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    return torch.optim.AdamW(params, **kw)
 
 
 def build_scheduler(optimizer, cfg):
