@@ -29,7 +29,7 @@ class ModelConfig:
     decoder_input_dropout: bool = True  # dropout on embedded decoder input ("token dropout" with one-hot)
     decoder_last_layer_dropout: bool = True  # residual dropout inside the last decoder layer
     # input/output representation
-    embedding: str = "learned"  # learned | onehot (frozen one-hot rows, Shaham & Levy 2021)
+    embedding: str = "learned"  # learned | onehot (frozen one-hot rows, Shaham & Levy 2021) | charaware
     onehot_learnable_scales: bool = True  # onehot: 3 learnable scalars (enc, dec, out) init sqrt(d); else constant
     # LOBEF front-ends (arch byte_ncf / byte_wsf): byte layers replace the first encoder layers
     byte_encoder_layers: int = 4  # layers inside the front-end (nCF paper: 4, WSF paper: 2)
@@ -41,3 +41,12 @@ class ModelConfig:
     moce_top_k: int = 2
     moce_lid: bool = False  # router also sees the source-tag embedding (tag at src position 0)
     moce_route_scaled_q: bool = True  # as the paper's code: q is scaled by d_h^-1/2 before routing/experts
+    # character-aware gated target embeddings (embedding=charaware, Renduchintala et al. 2018; needs the
+    # subword pieces, see scaletrain.models.charaware). Paper values: char embeddings 50, kernels 3-6,
+    # each conv's output 1/4 of the embedding size, 2 highway layers, one gate vector per type.
+    char_dim: int = 50  # character embedding size
+    char_kernels: list[int] = field(default_factory=lambda: [3, 4, 5, 6])  # conv widths over characters
+    char_filters: int = 0  # output channels per width; 0 = d_model / len(char_kernels)
+    char_highway_layers: int = 2
+    char_max_len: int = 20  # characters kept per piece (longer pieces keep their first char_max_len)
+    char_gate: str = "vector"  # vector: g in [0,1]^d per type (paper eq. 8) | scalar: one gate per type

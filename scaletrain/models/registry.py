@@ -58,8 +58,8 @@ def check_config(cfg: ModelConfig, vocab_size: int) -> None:
         _fail("activation", f"must be 'relu' or 'gelu', got {cfg.activation!r}")
     if cfg.kernels not in ("auto", "torch"):
         _fail("kernels", f"must be 'auto' or 'torch', got {cfg.kernels!r}")
-    if cfg.embedding not in ("learned", "onehot"):
-        _fail("embedding", f"must be 'learned' or 'onehot', got {cfg.embedding!r}")
+    if cfg.embedding not in ("learned", "onehot", "charaware"):
+        _fail("embedding", f"must be 'learned', 'onehot' or 'charaware', got {cfg.embedding!r}")
     if cfg.embedding == "onehot" and vocab_size > cfg.d_model:
         _fail("embedding", f"onehot needs vocabulary size <= d_model, got {vocab_size} > {cfg.d_model}")
     for key in (
@@ -73,3 +73,28 @@ def check_config(cfg: ModelConfig, vocab_size: int) -> None:
     ):
         if not isinstance(getattr(cfg, key), bool):
             _fail(key, f"must be true or false, got {getattr(cfg, key)!r}")
+    _check_charaware(cfg)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_charaware(cfg: ModelConfig) -> None:
+    """The character-aware embedding fields (checked whatever ``embedding`` is, so a typo shows early)."""
+    for key, low in (("char_dim", 1), ("char_filters", 0), ("char_highway_layers", 0), ("char_max_len", 1)):
+        v = getattr(cfg, key)
+        if not _is_int(v) or v < low:
+            what = "a positive integer" if low else "a non-negative integer"
+            extra = " (0 = d_model / len(char_kernels))" if key == "char_filters" else ""
+            _fail(key, f"must be {what}{extra}, got {v!r}")
+    ks = cfg.char_kernels
+    if (
+        not isinstance(ks, (list, tuple))
+        or not ks
+        or any(not _is_int(k) or k < 1 for k in ks)
+        or len(set(ks)) != len(ks)
+    ):
+        _fail("char_kernels", f"need a non-empty list of distinct positive widths (paper: [3, 4, 5, 6]), got {ks!r}")
+    if cfg.char_gate not in ("vector", "scalar"):
+        _fail("char_gate", f"must be 'vector' (one gate vector per type, the paper) or 'scalar', got {cfg.char_gate!r}")
