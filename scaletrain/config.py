@@ -30,6 +30,11 @@ class DataConfig:
     seed: int = 1
     num_workers: int = 0  # DataLoader worker processes per rank feeding the stream (0 = in the training process)
     temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
+    # byte (default) | spm: the subword baseline, a SentencePiece BPE model stored beside the shards
+    # (`prepare --spm-vocab-size N` or `scaletrain data spm DIR --vocab-size N`); with spm, max_bytes
+    # caps TOKENS per side and max_tokens counts padded subword tokens
+    tokenizer: str = "byte"
+    spm_vocab_size: int = 0  # which of the shard directory's SentencePiece models (0 = the only one)
 
 
 @dataclass
@@ -321,6 +326,13 @@ def validate(cfg: Config) -> None:
         bad("data.temperature", "must be > 0 (1 = proportional sampling)")
     if cfg.data.buffer_size < 1:
         bad("data.buffer_size", "must be >= 1")
+    if cfg.data.tokenizer not in ("byte", "spm"):
+        bad("data.tokenizer", f"must be byte or spm, got {cfg.data.tokenizer!r}")
+    if cfg.data.spm_vocab_size < 0:
+        bad("data.spm_vocab_size", "must be >= 0 (0 = the shard directory's only SentencePiece model)")
+    if cfg.data.spm_vocab_size and cfg.data.tokenizer != "spm":
+        bad("data.spm_vocab_size", f"is set ({cfg.data.spm_vocab_size}) but data.tokenizer is "
+            f"{cfg.data.tokenizer!r}; set data.tokenizer=spm")
     if cfg.optim.lr <= 0:
         bad("optim.lr", "must be > 0")
     if not 0 <= cfg.optim.label_smoothing < 1:

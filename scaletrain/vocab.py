@@ -4,7 +4,9 @@
     4..259          the 256 byte values (byte b -> id b + 4)
     260..260+L-1    language tags ``__xx__`` in the order of the shard manifest
 
-Nothing else in the project hard-codes an id.
+Nothing else in the project hard-codes an id. The subword baseline's vocabulary
+(``scaletrain.subword.SubwordVocab``: specials, SentencePiece pieces, then the tags) has the same
+interface; ``load_vocab`` builds either from the ``data.tokenizer`` setting.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def _decode_counting(raw: bytes) -> DecodeResult:
 class ByteVocab:
     """Byte vocabulary with language tags appended in manifest order."""
 
+    kind = "byte"
+
     def __init__(self, langs: Sequence[str]):
         langs = list(langs)
         if len(set(langs)) != len(langs):
@@ -70,6 +74,16 @@ class ByteVocab:
     bos = BOS
     eos = EOS
     unk = UNK
+
+    @property
+    def lang_offset(self) -> int:
+        """Id of the first language tag (tags are ``lang_offset + manifest index``)."""
+        return LANG_OFFSET
+
+    def pieces(self) -> list[str]:
+        """Surface string of every id (length ``size``): the byte's latin-1 character for byte ids,
+        '' for specials and language tags (same interface as ``SubwordVocab.pieces``)."""
+        return [""] * BYTE_OFFSET + [chr(b) for b in range(N_BYTES)] + [""] * len(self.langs)
 
     def lang_index(self, code: str) -> int:
         try:
@@ -132,3 +146,27 @@ class ByteVocab:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_counting(ids).text
+
+
+TOKENIZERS = ("byte", "spm")
+
+
+def load_vocab(langs: Sequence[str], tokenizer: str = "byte", shard_dir=None, model_path=None, *,
+               vocab_size: int = 0, num_threads: int = 1):
+    """The vocabulary of a run: ``ByteVocab(langs)`` for ``tokenizer="byte"``; for ``"spm"`` a
+    ``SubwordVocab`` with the SentencePiece model ``model_path``, or else the one recorded in
+    ``shard_dir``'s manifest (``vocab_size`` picks one when several exist; 0 = the only one; its
+    sha256 is checked against the manifest)."""
+    if tokenizer == "byte":
+        return ByteVocab(langs)
+    if tokenizer != "spm":
+        raise ScaletrainError(f"unknown tokenizer {tokenizer!r} (data.tokenizer): choose one of "
+                              f"{', '.join(TOKENIZERS)}")
+    from scaletrain.subword import SubwordVocab, find_spm_model
+
+    if model_path is None:
+        if shard_dir is None:
+            raise ScaletrainError("tokenizer spm needs the SentencePiece model: give model_path or the shard directory "
+                                  "whose manifest records it")
+        model_path = find_spm_model(shard_dir, vocab_size)
+    return SubwordVocab(langs, model_path, num_threads=num_threads)

@@ -110,6 +110,7 @@ def collate_arrays(
     tgt_len: np.ndarray,
     max_bytes: int | None = None,
     pad_to_multiple: int = 1,
+    lang_offset: int = LANG_OFFSET,
 ) -> Batch:
     """``collate`` from arrays, vectorised over the whole batch (no Python call per example).
 
@@ -117,7 +118,9 @@ def collate_arrays(
     ``src_data[src_start[i] : src_start[i] + src_len[i]]`` (uint8 arrays; same for the target).
     ``src_data`` / ``tgt_data`` may instead hold token ids already (any integer dtype but uint8:
     byte + ``BYTE_OFFSET``, e.g. int16 precomputed once per window), which saves two passes.
-    Gives exactly the batch ``collate`` gives for the same examples.
+    Gives exactly the batch ``collate`` gives for the same examples. With a subword vocabulary the
+    data arrays hold its token ids, ``max_bytes`` caps tokens, and ``lang_offset`` is the vocabulary's
+    first tag id (``SubwordVocab.lang_offset``; default the byte layout's).
     """
     B = int(len(src_len))
     if B == 0:
@@ -135,14 +138,14 @@ def collate_arrays(
     sl = torch.from_numpy(np.array(src_lang, dtype=np.int64))
     tl = torch.from_numpy(np.array(tgt_lang, dtype=np.int64))
     src = np.full((B, S), PAD, dtype=np.int64)
-    src[:, 0] = sl.numpy() + LANG_OFFSET
+    src[:, 0] = sl.numpy() + lang_offset
     _scatter_bytes(src, 1, src_data, np.asarray(src_start, dtype=np.int64), ls)
     src[rows, ls + 1] = EOS
     tgt_out = np.full((B, T), PAD, dtype=np.int64)
     _scatter_bytes(tgt_out, 0, tgt_data, np.asarray(tgt_start, dtype=np.int64), lt)
     tgt_out[rows, lt] = EOS
     tgt_in = np.empty((B, T), dtype=np.int64)  # tag, then tgt_out shifted right by one (EOS -> PAD)
-    tgt_in[:, 0] = tl.numpy() + LANG_OFFSET
+    tgt_in[:, 0] = tl.numpy() + lang_offset
     tgt_in[:, 1:] = tgt_out[:, :-1]
     tgt_in[rows[lt + 1 < T], (lt + 1)[lt + 1 < T]] = PAD
     return Batch(

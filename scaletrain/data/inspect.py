@@ -78,6 +78,7 @@ class VerifyReport:
     shards: int = 0
     blocks: int = 0
     examples: int = 0
+    tokenizers: int = 0  # tokenizer models checked (manifest "tokenizers")
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -130,4 +131,31 @@ def verify(shard_dir: str | Path, *, checksums: bool = True) -> VerifyReport:
             rep.problems.append(
                 f"{shard_dir}: split {split} has {n_split} examples, the manifest says {info.n_examples}"
             )
+    for t in m.tokenizers:  # models stored beside the shards (scaletrain.subword)
+        path = shard_dir / str(t["file"])
+        rep.tokenizers += 1
+        n_problems = len(rep.problems)
+        if not path.is_file():
+            rep.problems.append(f"{path}: missing (tokenizer {t['type']} {t['vocab_size']} in the manifest)")
+        elif checksums and file_sha256(path) != t["sha256"]:
+            rep.problems.append(f"{path}: sha256 differs from the manifest (corrupt tokenizer model; re-create it "
+                                f"with `scaletrain data spm {shard_dir} --vocab-size {t['vocab_size']} --overwrite`)")
+        else:
+            for split, rec in (t.get("lengths") or {}).items():  # the stream's token-length files
+                lp = shard_dir / str(rec["file"])
+                if not lp.is_file():
+                    rep.problems.append(f"{lp}: missing (token lengths of split {split})")
+                elif checksums and file_sha256(lp) != rec["sha256"]:
+                    rep.problems.append(f"{lp}: sha256 differs from the manifest (corrupt token lengths; re-create "
+                                        f"with `scaletrain data spm {shard_dir} --vocab-size {t['vocab_size']} "
+                                        "--overwrite`)")
+        if t["type"] == "spm" and len(rep.problems) == n_problems:  # the file is the recorded one: load it
+            try:
+                from scaletrain.subword import SubwordVocab
+
+                if SubwordVocab(m.languages, path).spm_size != int(t["vocab_size"]):
+                    rep.problems.append(f"{path}: holds a different number of pieces than the manifest's "
+                                        f"{t['vocab_size']}")
+            except ScaletrainError as e:
+                rep.problems.append(str(e))
     return rep

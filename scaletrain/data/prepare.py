@@ -402,6 +402,11 @@ def prepare_from_args(args) -> int:
     if out is None:
         raise ScaletrainError(f"--source {source} needs --out DIR")
     progress = not getattr(args, "no_progress", False)
+    if getattr(args, "spm_vocab_size", 0):
+        from scaletrain.subword import check_spm_args
+
+        check_spm_args(args.spm_vocab_size, args.spm_sentences, args.spm_character_coverage, args.spm_threads,
+                       prefix="--spm-")
     langs = _split_langs(args.langs)
     if source == "gettext":
         if args.resume or args.workers != 1 or args.opus_root:
@@ -425,6 +430,14 @@ def prepare_from_args(args) -> int:
                                       "--src-lang/--tgt-lang")
             corpora, src = corpora_from_args(args)
             m = prepare_parallel(corpora, out, source=src, **kw)
+    if getattr(args, "spm_vocab_size", 0):
+        from scaletrain.subword import add_spm_model
+
+        e = add_spm_model(out, args.spm_vocab_size, max_sentences=args.spm_sentences,
+                          character_coverage=args.spm_character_coverage, num_threads=args.spm_threads,
+                          progress=progress)  # a complete --resume keeps its recorded model
+        print(f"wrote {Path(out) / e['file']}: SentencePiece BPE, {e['vocab_size']:,} pieces "
+              f"(sha256 {e['sha256'][:12]})")
     n = {s: info.n_examples for s, info in m.splits.items()}
     print(f"wrote {out}: {len(m.languages)} languages, {sum(n.values()):,} examples "
           f"({', '.join(f'{s} {v:,}' for s, v in n.items())})")

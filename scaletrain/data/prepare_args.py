@@ -54,4 +54,29 @@ def add_prepare_arguments(p) -> None:
                    help=f"input lines per shard (default {_SHARD_LINES:,})")
     f.add_argument("--block-size", type=int, default=_BLOCK_SIZE,
                    help=f"examples per block (default {_BLOCK_SIZE})")
+    add_spm_arguments(p.add_argument_group("subword baseline (SentencePiece BPE trained on the train split)"),
+                      prefix="--spm-")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+SPM_SENTENCES = 2_000_000  # = scaletrain.subword.DEFAULT_SENTENCES
+SPM_COVERAGE = 0.9995
+SPM_THREADS = 4
+
+
+def add_spm_arguments(g, prefix: str = "--") -> None:
+    """SentencePiece options: ``prepare --spm-vocab-size N ...`` and ``data spm DIR --vocab-size N ...``."""
+    if prefix == "--spm-":
+        g.add_argument("--spm-vocab-size", type=int, default=0, help="also train a SentencePiece BPE model of this "
+                       "size on the train split and store it beside the shards as spmN.model (0 = none, default)")
+    else:
+        g.add_argument("--vocab-size", type=int, required=True, help="SentencePiece vocabulary size (specials, 256 "
+                       "byte pieces, characters and merges; language tags come on top)")
+    g.add_argument(f"{prefix}sentences", type=int, default=SPM_SENTENCES,
+                   help=f"train on at most this many sentences, sampled with a fixed seed (default {SPM_SENTENCES:,})")
+    g.add_argument(f"{prefix}character-coverage", type=float, default=SPM_COVERAGE,
+                   help=f"share of characters the model keeps as pieces; the rest are spelled as bytes "
+                   f"(0.98..1, default {SPM_COVERAGE})")
+    g.add_argument(f"{prefix}threads", type=int, default=SPM_THREADS,
+                   help=f"trainer threads; recorded in the model file, keep it fixed for identical models "
+                   f"(default {SPM_THREADS})")

@@ -364,6 +364,9 @@ class Manifest:
     cleaning: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
+    # models trained on the shards and stored beside them, e.g. {"type": "spm", "file": "spm8000.model",
+    # "vocab_size": 8000, "sha256": ..., "params": {...}} (see scaletrain.subword); omitted when empty
+    tokenizers: list = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     scaletrain_version: str = scaletrain.__version__
     root: Path | None = field(default=None, compare=False, repr=False)
@@ -393,6 +396,8 @@ class Manifest:
             "source": self.source,
             "params": self.params,
         }
+        if self.tokenizers:
+            d["tokenizers"] = [dict(t) for t in self.tokenizers]
         return d
 
     @classmethod
@@ -413,12 +418,18 @@ class Manifest:
                     for k, v in s["directions"].items()
                 }
                 splits[name] = SplitInfo(int(s["n_examples"]), shards, dirs)
+            tokenizers = d.get("tokenizers", [])
+            if not isinstance(tokenizers, list) or not all(
+                isinstance(t, dict) and {"type", "file", "vocab_size", "sha256"} <= t.keys() for t in tokenizers
+            ):
+                raise ValueError("'tokenizers' must be a list of {type, file, vocab_size, sha256} entries")
             return cls(
                 languages=[str(x) for x in d["languages"]],
                 splits=splits,
                 cleaning=d.get("cleaning", {}),
                 source=d.get("source", {}),
                 params=d.get("params", {}),
+                tokenizers=tokenizers,
                 format_version=FORMAT_VERSION,
                 scaletrain_version=str(d["scaletrain_version"]),
             )
@@ -587,7 +598,8 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
             raise ScaletrainError(
                 f"output directory {out} is not empty; choose another directory or pass overwrite=True (--overwrite)"
             )
-        ours = [out / MANIFEST] + [p for s in SPLITS for p in out.glob(f"{s}-*.tar")] + list(out.glob(".*.tmp-*"))
+        ours = ([out / MANIFEST] + [p for s in SPLITS for p in out.glob(f"{s}-*.tar")] + list(out.glob(".*.tmp-*"))
+                + list(out.glob("spm*.model")) + list(out.glob("spm*.lengths.npy")))
         for p in ours:  # the manifest goes first so a crash never leaves it pointing at missing shards
             if p.is_file():
                 p.unlink()

@@ -34,6 +34,15 @@ DataLoader workers (``ShardLoader``): each (rank, worker) is one slot of a strea
 
 Examples longer than ``max_bytes`` are truncated by ``collate`` (never dropped); ``max_tokens``
 must fit one such example: ``max_tokens >= 2 * max_bytes + 3``.
+
+Subword baseline (``vocab=SubwordVocab``): the shards keep raw UTF-8 and each slot's examples are
+tokenized once per window (SentencePiece batch encoding); everything above then runs on TOKEN
+lengths: buckets, the budget (padded subword tokens of source and target) and truncation
+(``max_bytes`` caps tokens per side). The plan of every slot needs the token lengths of every
+slot's examples: they come from the lengths files written with the model (``spm<N>.<split>.lengths.npy``,
+see ``scaletrain.subword``), so a rank tokenizes only its own blocks (and checks them against those
+files); without the files every slot's blocks are tokenized (correct, slower for many slots).
+Memory stays one window: the ids of the rank's own examples.
 """
 from __future__ import annotations
 
@@ -138,28 +147,58 @@ def equalise(batches: list[np.ndarray], target: int) -> list[np.ndarray]:
     return batches
 
 
+class _TokBlock:
+    """A block with token ids instead of bytes (subword stream): languages, token lengths, ids.
+
+    ``keep=False`` keeps only the lengths (another slot's block, needed for its batch plan)."""
+
+    def __init__(self, blk, vocab, keep: bool = True):
+        n = len(blk)
+        self.src_lang, self.tgt_lang = blk.src_lang, blk.tgt_lang
+        so, to = blk.src_off.tolist(), blk.tgt_off.tolist()
+        sd, td = blk.src_data, blk.tgt_data
+        texts = [sd[so[i]:so[i + 1]] for i in range(n)] + [td[to[i]:to[i + 1]] for i in range(n)]
+        flat, lens = vocab.encode_flat(texts)
+        self.src_len, self.tgt_len = lens[:n], lens[n:]
+        k = int(self.src_len.sum())
+        self.src_ids = flat[:k] if keep else None
+        self.tgt_ids = flat[k:] if keep else None
+        self._blk = blk if keep else None
+
+    def __len__(self) -> int:
+        return int(self.src_len.shape[0])
+
+    def example(self, i: int) -> Example:
+        return self._blk.example(i)
+
+
 class _Pool:
     """The examples of one slot's blocks in a window, as flat arrays (for vectorised collate)."""
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, lang_offset: int = LANG_OFFSET):
         self.blocks = blocks
+        self.lang_offset = lang_offset
         self.starts = np.cumsum([0] + [len(b) for b in blocks])
         cat = lambda arrs, dt: np.concatenate(arrs).astype(dt, copy=False) if arrs else np.zeros(0, dt)  # noqa: E731
         self.src_lang = cat([b.src_lang for b in blocks], np.int64)
         self.tgt_lang = cat([b.tgt_lang for b in blocks], np.int64)
         self.src_len = cat([b.src_len for b in blocks], np.int64)
         self.tgt_len = cat([b.tgt_len for b in blocks], np.int64)
-        # token ids (byte + BYTE_OFFSET) as int16, computed once per window
-        self.src_data = np.frombuffer(b"".join(b.src_data for b in blocks), dtype=np.uint8).astype(np.int16)
-        self.tgt_data = np.frombuffer(b"".join(b.tgt_data for b in blocks), dtype=np.uint8).astype(np.int16)
-        self.src_data += BYTE_OFFSET
-        self.tgt_data += BYTE_OFFSET
+        if blocks and isinstance(blocks[0], _TokBlock):  # subword ids, tokenized once per window
+            self.src_data = cat([b.src_ids for b in blocks], np.int32)
+            self.tgt_data = cat([b.tgt_ids for b in blocks], np.int32)
+        else:  # token ids (byte + BYTE_OFFSET) as int16, computed once per window
+            self.src_data = np.frombuffer(b"".join(b.src_data for b in blocks), dtype=np.uint8).astype(np.int16)
+            self.tgt_data = np.frombuffer(b"".join(b.tgt_data for b in blocks), dtype=np.uint8).astype(np.int16)
+            self.src_data += BYTE_OFFSET
+            self.tgt_data += BYTE_OFFSET
         self.src_start = np.cumsum(self.src_len) - self.src_len
         self.tgt_start = np.cumsum(self.tgt_len) - self.tgt_len
 
     def collate(self, idx: np.ndarray, max_bytes: int) -> Batch:
         return collate_arrays(self.src_lang[idx], self.tgt_lang[idx], self.src_data, self.src_start[idx],
-                              self.src_len[idx], self.tgt_data, self.tgt_start[idx], self.tgt_len[idx], max_bytes)
+                              self.src_len[idx], self.tgt_data, self.tgt_start[idx], self.tgt_len[idx], max_bytes,
+                              lang_offset=self.lang_offset)
 
     def examples(self, idx: np.ndarray) -> list[Example]:
         bi = np.searchsorted(self.starts, idx, side="right") - 1
@@ -200,6 +239,7 @@ class ShardStream:
         drop_last: bool = False,
         shuffle: bool = True,
         temperature: float = 1.0,
+        vocab=None,
     ):
         if world_size < 1 or not (0 <= rank < world_size):
             raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
@@ -234,6 +274,14 @@ class ShardStream:
         self.seed, self.max_tokens, self.max_bytes = seed, max_tokens, max_bytes
         self.buffer_size, self.epochs, self.drop_last, self.shuffle = buffer_size, epochs, drop_last, shuffle
         self.temperature = float(temperature)
+        # subword stream: a vocabulary with kind "spm" (ByteVocab / None: the byte stream)
+        self.vocab = vocab if vocab is not None and getattr(vocab, "kind", "byte") != "byte" else None
+        if vocab is not None and list(vocab.langs) != list(self.manifest.languages):
+            raise ScaletrainError(f"the vocabulary's languages {list(vocab.langs)} differ from {shard_dir}'s manifest "
+                                  f"{self.manifest.languages}")
+        self.lang_offset = LANG_OFFSET if self.vocab is None else int(self.vocab.lang_offset)
+        self._tok_lengths = self._load_token_lengths() if self.vocab is not None else None
+        self._b_start = np.cumsum(self._b_n) - self._b_n  # first example of each block within the split
         self._weights = self._direction_weights()
         self.n_windows = -(-self.n_blocks // (buffer_size * world_size))
         self._epoch = self._window = self._batch = 0
@@ -273,7 +321,37 @@ class ShardStream:
         return sh, sh.blocks[int(self._b_index[i])]
 
     def _read(self, block_ids: list[int], lengths_only: bool):
-        return [read_block(self.shard_dir, *self.block(i), lengths_only=lengths_only) for i in block_ids]
+        # headers suffice for the byte stream's lengths, and for the subword one when its lengths file exists
+        header = lengths_only and (self.vocab is None or self._tok_lengths is not None)
+        blocks = [read_block(self.shard_dir, *self.block(i), lengths_only=header) for i in block_ids]
+        if self.vocab is None:
+            return blocks
+        if self._tok_lengths is not None:  # token lengths from the lengths file: tokenize own blocks only
+            out = []
+            for i, b in zip(block_ids, blocks):
+                a, n = int(self._b_start[i]), int(self._b_n[i])
+                s, t = self._tok_lengths[a:a + n, 0].astype(np.int64), self._tok_lengths[a:a + n, 1].astype(np.int64)
+                if lengths_only:
+                    b.src_len, b.tgt_len = s, t
+                else:
+                    b = _TokBlock(b, self.vocab)
+                    if not (np.array_equal(b.src_len, s) and np.array_equal(b.tgt_len, t)):
+                        sh, bi = self.block(i)
+                        raise ScaletrainError(
+                            f"{self.shard_dir / sh.name} block {bi.key}: token lengths differ from the tokenizer's "
+                            "lengths file (another sentencepiece version?); every rank must tokenize alike: "
+                            f"re-create the model with `scaletrain data spm {self.shard_dir} --vocab-size "
+                            f"{self.vocab.spm_size} --overwrite`"
+                        )
+                out.append(b)
+            return out
+        return [_TokBlock(b, self.vocab, keep=not lengths_only) for b in blocks]
+
+    def _load_token_lengths(self):
+        """The split's per-example (source, target) token lengths [n, 2] (memory-mapped), or None."""
+        from scaletrain.subword import load_token_lengths
+
+        return load_token_lengths(self.shard_dir, self.manifest, self.vocab, self.split)
 
     def _lengths(self, blocks) -> tuple[np.ndarray, np.ndarray]:
         if not blocks:
@@ -325,7 +403,7 @@ class ShardStream:
         for s, ids in enumerate(slots):
             blocks = self._read(ids, lengths_only=(s != me))
             if s == me:
-                pools[me] = _Pool(blocks)
+                pools[me] = _Pool(blocks, self.lang_offset)
             plans.append(self._slot_batches(blocks, epoch, window, s))
         counts = [len(p) for p in plans]
         target = min(counts) if self.drop_last else max(counts)
@@ -333,7 +411,7 @@ class ShardStream:
         if len(mine) < target:  # fewer examples than batches needed: repeat batches (documented)
             donor = me if plans[me] else next(s for s, p in enumerate(plans) if p)
             if donor not in pools:
-                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False))
+                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False), self.lang_offset)
             src = list(mine) if donor == me else [(donor, b) for b in plans[donor]]
             i = 0
             while len(mine) < target:
@@ -390,7 +468,7 @@ class ShardStream:
 
     # ---- state -------------------------------------------------------------------------------
     def _config(self) -> dict:
-        return {
+        cfg = {
             "split": self.split,
             "world_size": self.world_size,
             "seed": self.seed,
@@ -402,6 +480,9 @@ class ShardStream:
             "temperature": self.temperature,
             "n_blocks": self.n_blocks,
         }
+        if self.vocab is not None:  # byte streams keep the old state layout
+            cfg["tokenizer"] = f"{self.vocab.kind}:{self.vocab.sha256}"
+        return cfg
 
     def state_dict(self) -> dict:
         """Small and JSON-able; identical on every rank (ranks move in lockstep)."""
@@ -460,17 +541,17 @@ def _pack(b: Batch) -> tuple:
     queue by value, which is much cheaper than one shared-memory segment per tensor."""
     dt = np.uint16 if int(b.src.max()) < 65536 and int(b.tgt_in.max()) < 65536 else np.int64
     return (b.src.numpy().astype(dt), b.tgt_out.numpy().astype(dt), b.src_lang.numpy(), b.tgt_lang.numpy(),
-            b.n_src_tokens, b.n_tgt_tokens)
+            b.n_src_tokens, b.n_tgt_tokens, int(b.tgt_in[0, 0]) - int(b.tgt_lang[0]))
 
 
 def _unpack(p) -> Batch:
     if isinstance(p, Batch):
         return p
-    src, tgt_out, src_lang, tgt_lang, ns, nt = p
+    src, tgt_out, src_lang, tgt_lang, ns, nt, lang_offset = p
     src = src.astype(np.int64)
     tgt_out = tgt_out.astype(np.int64)
     tgt_in = np.empty_like(tgt_out)
-    tgt_in[:, 0] = tgt_lang + LANG_OFFSET
+    tgt_in[:, 0] = tgt_lang + lang_offset
     tgt_in[:, 1:] = tgt_out[:, :-1]
     tgt_in[:, 1:][tgt_out[:, :-1] == EOS] = PAD  # EOS is only ever the last real target token
     return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
