@@ -89,7 +89,8 @@ class CheckpointManager:
         self.engine = engine
         self.keep_last = keep_last
 
-    def save(self, step: int, trainer_state: dict, rank_state: dict, config_yaml: str, langs: list[str]) -> Path:
+    def save(self, step: int, trainer_state: dict, rank_state: dict, config_yaml: str, langs: list[str],
+             vocab=None) -> Path:
         eng = self.engine
         tag = tag_for(step)
         partial = tag + ".partial"
@@ -105,6 +106,7 @@ class CheckpointManager:
             atomic_write_text(pdir / "trainer_state.json", json.dumps(trainer_state, indent=2))
             atomic_write_text(pdir / "config.yaml", config_yaml)
             atomic_write_text(pdir / "langs.json", json.dumps(langs))
+            save_vocab_files(vocab, pdir)
         eng.barrier()
         if eng.is_main:
             final = self.root / tag
@@ -181,18 +183,67 @@ def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     )
 
 
+VOCAB_FILE = "vocab.json"  # absent = byte vocabulary (checkpoints from before subword support too)
+
+
+def save_vocab_files(vocab, ckpt_dir: Path) -> None:
+    """A SentencePiece vocabulary travels with the checkpoint: its model file plus ``vocab.json``
+    (kind, file, sha256), so evaluate/translate/average need neither the shards nor the tokenizer run."""
+    if vocab is None or getattr(vocab, "kind", "byte") == "byte":
+        return
+    src = Path(vocab.model_path)
+    shutil.copyfile(src, ckpt_dir / (src.name + ".tmp"))
+    os.replace(ckpt_dir / (src.name + ".tmp"), ckpt_dir / src.name)
+    atomic_write_text(ckpt_dir / VOCAB_FILE, json.dumps({"kind": vocab.kind, "file": src.name, "sha256": vocab.sha256}))
+
+
+def copy_vocab_files(src_ckpt: Path, dst_dir: Path) -> None:
+    """Copy ``vocab.json`` and the tokenizer file it names (``average``: the output is a checkpoint too)."""
+    meta = Path(src_ckpt) / VOCAB_FILE
+    if not meta.is_file():
+        return
+    info = json.loads(meta.read_text())
+    shutil.copyfile(Path(src_ckpt) / info["file"], Path(dst_dir) / info["file"])
+    shutil.copyfile(meta, Path(dst_dir) / VOCAB_FILE)
+
+
+def load_checkpoint_vocab(ckpt: Path, langs: list[str]):
+    """The vocabulary a checkpoint was trained with (ByteVocab unless ``vocab.json`` names a tokenizer)."""
+    from scaletrain.vocab import ByteVocab
+
+    meta = Path(ckpt) / VOCAB_FILE
+    if not meta.is_file():
+        return ByteVocab(langs)
+    try:
+        info = json.loads(meta.read_text())
+        kind, file, sha = info["kind"], info["file"], info["sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ScaletrainError(f"{meta}: unreadable vocabulary record ({type(e).__name__}: {e})") from None
+    if kind != "spm":
+        raise ScaletrainError(f"{meta}: unknown vocabulary kind {kind!r} (this scaletrain knows byte and spm)")
+    from scaletrain.subword import SubwordVocab
+
+    path = Path(ckpt) / file
+    if not path.is_file():
+        raise ScaletrainError(f"{ckpt}: the SentencePiece model {file} named in {VOCAB_FILE} is missing")
+    vocab = SubwordVocab(langs, path)
+    if vocab.sha256 != sha:
+        raise ScaletrainError(f"{path}: sha256 {vocab.sha256[:12]}... differs from {VOCAB_FILE}'s {sha[:12]}...; "
+                              "the checkpoint's tokenizer file was changed")
+    return vocab
+
+
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, config, langs, trainer_state) from a checkpoint or run directory."""
     from scaletrain.config import from_dict
     from scaletrain.models import build_model
-    from scaletrain.vocab import ByteVocab
     import yaml
 
     ckpt = resolve_checkpoint(path)
     cfg = from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
     langs = json.loads((ckpt / "langs.json").read_text())
-    vocab = ByteVocab(langs)
-    model = build_model(cfg.model, vocab.size)
+    vocab = load_checkpoint_vocab(ckpt, langs)
+    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces())
     sd = load_model_weights(ckpt)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("_float_tensor")]

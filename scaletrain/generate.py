@@ -35,9 +35,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from scaletrain.data.batch import Example, collate, src_len
+from scaletrain.data.batch import Example, collate, collate_arrays, src_len
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD, ByteVocab
 
@@ -475,12 +476,28 @@ def translate_examples(
     tokens: list[list[int]] = [[] for _ in examples]
     if not examples:
         return TranslationResult(texts, invalid, tokens)
-    lengths = [src_len(ex, max_src_bytes) for ex in examples]
+    lang_offset = int(getattr(vocab, "lang_offset", LANG_OFFSET))
+    if getattr(vocab, "kind", "byte") == "byte":
+        lengths = [src_len(ex, max_src_bytes) for ex in examples]
+    else:  # subword vocabulary: tokenize every source once; lengths and truncation count tokens
+        flat, n_tok = vocab.encode_flat([ex.src for ex in examples])
+        starts = np.cumsum(n_tok) - n_tok
+        s_lang = np.fromiter((ex.src_lang for ex in examples), dtype=np.int64, count=len(examples))
+        t_lang = np.fromiter((ex.tgt_lang for ex in examples), dtype=np.int64, count=len(examples))
+        capped = n_tok if max_src_bytes is None else np.minimum(n_tok, max_src_bytes)
+        lengths = (capped + 2).tolist()
+        no_tgt = np.zeros(0, dtype=np.int32)
     for idx in _length_batches(lengths, batch_tokens, beam, max_sentences):
-        batch = collate([examples[i] for i in idx], max_bytes=max_src_bytes)
+        if getattr(vocab, "kind", "byte") == "byte":
+            batch = collate([examples[i] for i in idx], max_bytes=max_src_bytes)
+        else:
+            ix = np.asarray(idx, dtype=np.int64)
+            zero = np.zeros(len(ix), dtype=np.int64)
+            batch = collate_arrays(s_lang[ix], t_lang[ix], flat, starts[ix], n_tok[ix], no_tgt, zero, zero,
+                                   max_bytes=max_src_bytes, lang_offset=lang_offset)
         hyps = generate(
             model, batch.src, batch.tgt_in[:, 0], beam=beam, lenpen=lenpen, max_len_a=max_len_a,
-            max_len_b=max_len_b, min_len=min_len, max_positions=max_positions,
+            max_len_b=max_len_b, min_len=min_len, max_positions=max_positions, lang_offset=lang_offset,
         )
         for i, h in zip(idx, hyps):
             res = vocab.decode_counting(h)

@@ -21,12 +21,12 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.batch import Batch
 from scaletrain.data.shards import load_manifest
-from scaletrain.data.stream import ShardStream
+from scaletrain.data.stream import ShardLoader, ShardStream
 from scaletrain.engine import build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.models.stats import routing_metrics
-from scaletrain.vocab import ByteVocab
+from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")
 
@@ -52,23 +52,36 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def unigram_nll(shards: str, split: str = "valid") -> float:
+def unigram_nll(shards: str, split: str = "valid", vocab=None, max_examples: int = 200_000) -> float:
     """Cross-entropy (nats/token) of `split` targets under a target-side unigram model fit on train.
 
     The bar a model must clear to show it uses the source at all (add-one smoothing; EOS counted).
+    Tokens are bytes, or the subword pieces of ``vocab`` when it is a SentencePiece vocabulary. The
+    unigram is fit on the first ``max_examples`` training pairs and scored on as many ``split`` pairs
+    (the whole split of the bundled corpus; a bounded pass on OPUS-scale data).
     """
+    from itertools import islice
+
     from scaletrain.data.shards import read_split
 
-    counts = np.ones(257, dtype=np.float64)  # 256 bytes + EOS
-    for ex in read_split(shards, "train"):
-        counts[:256] += np.bincount(np.frombuffer(ex.tgt, dtype=np.uint8), minlength=256)
-        counts[256] += 1
+    spm = vocab is not None and getattr(vocab, "kind", "byte") != "byte"
+
+    def ids(exs) -> list[np.ndarray]:
+        if spm:
+            return [a.astype(np.int64) for a in vocab.encode_batch([ex.tgt for ex in exs])]
+        return [np.frombuffer(ex.tgt, dtype=np.uint8).astype(np.int64) for ex in exs]
+
+    n_ids = vocab.size if spm else 256
+    eos = vocab.eos if spm else 256
+    counts = np.ones(n_ids + (0 if spm else 1), dtype=np.float64)  # + EOS (bytes: index 256)
+    for a in ids(list(islice(read_split(shards, "train"), max_examples))):
+        counts += np.bincount(a, minlength=len(counts))
+        counts[eos] += 1
     logp = np.log(counts / counts.sum())
     tot, n = 0.0, 0
-    for ex in read_split(shards, split):
-        b = np.frombuffer(ex.tgt, dtype=np.uint8)
-        tot -= logp[b].sum() + logp[256]
-        n += len(b) + 1
+    for a in ids(list(islice(read_split(shards, split), max_examples))):
+        tot -= logp[a].sum() + logp[eos]
+        n += len(a) + 1
     return float(tot / max(n, 1))
 
 
@@ -82,14 +95,16 @@ class Trainer:
         self.engine = build_engine(cfg)
         eng = self.engine
         self.manifest = load_manifest(cfg.data.shards)
-        self.vocab = ByteVocab(self.manifest.languages)
+        self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
+                                vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
-        model = build_model(cfg.model, self.vocab.size)
+        model = build_model(cfg.model, self.vocab.size, pieces=self.vocab.pieces())
         self.param_counts = count_parameters(model)
         eng.setup(model)
-        self.stream = stream if stream is not None else ShardStream(
-            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, seed=cfg.data.seed,
-            max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes, buffer_size=cfg.data.buffer_size,
+        self.stream = stream if stream is not None else ShardLoader(
+            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=cfg.data.num_workers,
+            seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
+            buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
         )
         self.out_dir = cfg.out_dir
         self.ckpt = CheckpointManager(self.out_dir, eng, cfg.train.keep_last)
@@ -161,7 +176,8 @@ class Trainer:
             "best": self.best.state_dict() if self.best is not None else None,
             "recipe": self.cfg.name,
         }
-        return self.ckpt.save(self.step, state, {"stream": self.stream.state_dict()}, dump_yaml(self.cfg), self.vocab.langs)
+        return self.ckpt.save(self.step, state, {"stream": self.stream.state_dict()}, dump_yaml(self.cfg), self.vocab.langs,
+                              vocab=self.vocab)
 
     # ------------------------------------------------------------------------------
     def _loss(self, batch: Batch):
@@ -174,7 +190,7 @@ class Trainer:
         eng.train(False)
         stream = ShardStream(
             self.cfg.data.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
-            max_tokens=self.cfg.data.max_tokens, max_bytes=self.cfg.data.max_bytes, epochs=1,
+            max_tokens=self.cfg.data.max_tokens, max_bytes=self.cfg.data.max_bytes, epochs=1, vocab=self.vocab,
         )
         nll = 0.0
         n = 0
@@ -196,7 +212,7 @@ class Trainer:
         gas = cfg.engine.grad_accum
         resumed = self._maybe_resume()
         self._start_tracking(resumed)
-        base_nll = unigram_nll(cfg.data.shards) if eng.is_main else 0.0
+        base_nll = unigram_nll(cfg.data.shards, vocab=self.vocab) if eng.is_main else 0.0
         base_nll = eng.broadcast_object(base_nll)
         if eng.is_main:
             n_params = sum(v for k, v in self.param_counts.items() if k == "total")
@@ -318,7 +334,7 @@ class Trainer:
         from scaletrain.validation import decoding_model
 
         eng = self.engine
-        model = decoding_model(eng, self.cfg.model, self.vocab.size)  # collective under ZeRO-3
+        model = decoding_model(eng, self.cfg.model, self.vocab.size, pieces=self.vocab.pieces())  # collective under ZeRO-3
         res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size)  # collective (all_gather_object)
         del model
         routing_metrics(eng.module, reset=True)

@@ -176,7 +176,7 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def decoding_model(engine, model_cfg, vocab_size: int) -> torch.nn.Module:
+def decoding_model(engine, model_cfg, vocab_size: int, pieces=None) -> torch.nn.Module:
     """The module to decode with: ``engine.module`` when it holds full parameters; under ZeRO-3 a plain copy
     built from ``engine.full_state_dict()`` (a collective: call it on every rank). See the module docstring."""
     mod = engine.module
@@ -186,7 +186,7 @@ def decoding_model(engine, model_cfg, vocab_size: int) -> torch.nn.Module:
 
     sd = engine.full_state_dict()
     with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG stream
-        copy = build_model(model_cfg, vocab_size)
+        copy = build_model(model_cfg, vocab_size, pieces=pieces)
     missing, unexpected = copy.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("_float_tensor")]
     if missing or unexpected:

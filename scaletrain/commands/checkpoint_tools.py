@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from scaletrain.checkpoint import TAG_RE, atomic_write_text, load_model_weights, resolve_checkpoint
+from scaletrain.checkpoint import TAG_RE, atomic_write_text, copy_vocab_files, load_model_weights, resolve_checkpoint
 from scaletrain.errors import ScaletrainError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,6 +127,7 @@ def average_checkpoints(ckpts: list[str | Path], out: str | Path, last: int = 0)
     atomic_write_text(partial / "trainer_state.json", json.dumps(state, indent=2))
     shutil.copyfile(last_ck / "config.yaml", partial / "config.yaml")
     shutil.copyfile(last_ck / "langs.json", partial / "langs.json")
+    copy_vocab_files(last_ck, partial)
     if out.exists():
         shutil.rmtree(out)
     os.replace(partial, out)

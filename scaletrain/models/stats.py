@@ -86,7 +86,7 @@ def estimate_flops_per_token(
 _COMPONENT_ORDER = ("embeddings", "frontend", "encoder", "decoder")
 
 
-def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len: int = 100) -> dict:
+def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len: int = 100, pieces=None) -> dict:
     """Build the model on the meta device (no memory, no init cost) and report its size and compute.
 
     Returns ``{"arch", "vocab_size", "components": [(name, params)], "variant", "total", "trainable",
@@ -98,7 +98,7 @@ def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len
     from scaletrain.models import build_model
 
     with torch.device("meta"):
-        model = build_model(cfg, vocab_size)
+        model = build_model(cfg, vocab_size, pieces=pieces)
     counts = count_parameters(model)
     names = [k for k in _COMPONENT_ORDER] + sorted(
         k for k in counts if k not in _COMPONENT_ORDER and k not in ("variant", "total", "trainable")

@@ -1,0 +1,183 @@
+"""The subword baseline and the character-aware (CG) decoder end to end on the bundled corpus.
+
+A SentencePiece BPE model is added to a copy of the real shards; `subword_base` and `subword_cg` (tiny
+dimensions) train in the real loop on 1 rank in this process and on 2 ranks under the `deepspeed`
+launcher; checkpoints carry the tokenizer; `load_for_inference` rebuilds the same model and vocabulary;
+greedy decoding of real validation sentences equals the full forward pass; `evaluate`, `translate` and
+`average` work on the subword checkpoint without the shards' tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import deepspeed_cmd, launcher_env, run
+from scaletrain import generate as G
+from scaletrain.checkpoint import load_for_inference
+from scaletrain.config import load_config
+from scaletrain.data.batch import collate_arrays
+from scaletrain.data.shards import read_split
+from scaletrain.subword import SubwordVocab, add_spm_model
+
+N_SPM = 600
+COMMON = [
+    "model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
+    "model.dropout=0.1", "model.max_positions=64", "model.char_dim=8", "model.char_max_len=12",
+    f"data.spm_vocab_size={N_SPM}", "data.max_bytes=30", "data.max_tokens=1200", "optim.lr=3e-3", "optim.warmup_steps=4", "optim.warmup_init_lr=0",
+    "train.max_steps=10", "train.log_every=5", "train.valid_every=0", "train.valid_max_batches=2",
+    "train.save_every=0", "train.resume=false", "tracking.enabled=false", "engine.precision=fp32",
+    "engine.grad_accum=1", "engine.backend=deepspeed", "engine.ds_config=ds_configs/zero0.json",
+]
+MAX_OUT = 6
+
+
+@pytest.fixture(scope="module")
+def spm_shards(django_shards, tmp_path_factory):
+    d = tmp_path_factory.mktemp("spm_train") / "shards"
+    shutil.copytree(django_shards, d)
+    add_spm_model(d, N_SPM, character_coverage=0.98)
+    return str(d)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_process_group_after_module():
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    import deepspeed.comm.comm as ds_comm
+
+    ds_comm.cdb = None
+
+
+@pytest.fixture
+def isolated_env():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def subword_batch(vocab, examples):
+    flat, n = vocab.encode_flat([ex.src for ex in examples])
+    z = np.zeros(len(examples), dtype=np.int64)
+    return collate_arrays(np.array([e.src_lang for e in examples]), np.array([e.tgt_lang for e in examples]),
+                          flat, np.cumsum(n) - n, n, np.zeros(0, np.int32), z, z, lang_offset=vocab.lang_offset)
+
+
+def check_decoding(model, vocab, examples):
+    """Greedy (incremental) == argmax of the full forward pass; only pieces and EOS come out."""
+    batch = subword_batch(vocab, examples)
+    tags = batch.tgt_in[:, 0]
+    assert all(vocab.lang_offset <= int(t) < vocab.size for t in tags)
+    greedy = G.generate(model, batch.src, tags, beam=1, max_len_a=0, max_len_b=MAX_OUT, lang_offset=vocab.lang_offset)
+    for i, toks in enumerate(greedy):
+        assert len(toks) <= MAX_OUT and all(4 <= t < vocab.lang_offset for t in toks)
+        with torch.no_grad():
+            lg = model(batch.src[i : i + 1], torch.tensor([[int(tags[i])] + toks]))[0].double()
+        lp = torch.log_softmax(lg, -1) + G._allowed_mask(lg.shape[-1], "cpu", torch.float64, vocab.lang_offset)
+        picks = lp.argmax(-1).tolist()
+        assert picks[: len(toks)] == toks
+        if len(toks) < MAX_OUT:
+            assert picks[len(toks)] == 2  # EOS
+
+
+def valid_examples(shards, n=5):
+    return [ex for ex in read_split(shards, "valid") if 3 <= len(ex.src) <= 30][:n]
+
+
+@pytest.mark.parametrize("recipe", ["subword_base", "subword_cg"])
+def test_subword_recipes_train_save_load_decode(recipe, spm_shards, tmp_path, isolated_env):
+    from scaletrain.train import Trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(recipe, [f"data.shards={spm_shards}", f"train.out_dir={out}",
+                               *COMMON])
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.vocab, SubwordVocab) and trainer.vocab.size == N_SPM + len(trainer.vocab.langs)
+    res = trainer.fit()
+    trainer.close()
+    assert res.steps == 10
+    first, last = res.train_loss[0][1], res.train_loss[-1][1]
+    assert math.isfinite(last) and last < first, res.train_loss
+    # the baseline is a subword unigram: about log(V) nats per token at most
+    assert 0 < res.unigram_nll < math.log(trainer.vocab.size)
+    trained = {k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items()}
+
+    # the checkpoint carries the tokenizer; the model reloads from it alone
+    ckpt_dir = out / "checkpoints" / "step-0000010"
+    meta = json.loads((ckpt_dir / "vocab.json").read_text())
+    assert meta["kind"] == "spm" and (ckpt_dir / meta["file"]).is_file()
+    model, cfg2, vocab, state, ckpt = load_for_inference(out)
+    assert isinstance(vocab, SubwordVocab) and vocab.sha256 == trainer.vocab.sha256 and vocab.langs == trainer.vocab.langs
+    assert cfg2.model == cfg.model and cfg2.model.embedding == ("charaware" if recipe == "subword_cg" else "learned")
+    loaded = model.state_dict()
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    exs = valid_examples(spm_shards)
+    check_decoding(model, vocab, exs)
+    # translate_examples tokenizes with the checkpoint's vocabulary and decodes pieces to text
+    tr = G.translate_examples(model, exs, vocab, batch_tokens=2000, beam=2, max_len_a=0, max_len_b=MAX_OUT)
+    assert len(tr.texts) == len(exs) and all(isinstance(t, str) for t in tr.texts)
+    assert tr.texts == [vocab.decode(t) for t in tr.tokens]
+
+    # the tokenizer file in the checkpoint is checked
+    (ckpt_dir / meta["file"]).write_bytes(b"not a sentencepiece model")
+    with pytest.raises(Exception, match="sha256|SentencePiece|sentencepiece"):
+        load_for_inference(out)
+
+
+def test_subword_checkpoint_through_evaluate_translate_and_average(spm_shards, tmp_path, isolated_env):
+    from scaletrain.train import Trainer
+
+    out = tmp_path / "run"
+    cfg = load_config("subword_cg", [f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON,
+                                     "train.save_every=5", "train.keep_last=3"])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "scaletrain"]
+    avg = tmp_path / "avg"
+    steps = sorted(str(p) for p in (out / "checkpoints").glob("step-*"))
+    r = subprocess.run(cmd + ["average", *steps, "--out", str(avg)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (avg / "vocab.json").is_file()
+    _, _, vocab, _, _ = load_for_inference(avg)
+    assert isinstance(vocab, SubwordVocab)
+    r = subprocess.run(cmd + ["evaluate", "--checkpoint", str(avg), "--split", "test", "--max-lines", "3",
+                              "--beam", "1", "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    dirs = ev["model"]["directions"]
+    assert dirs and all(d["n_lines"] > 0 and d["chrf"] is not None and d["chrf"] >= 0 for d in dirs)
+    r = subprocess.run(cmd + ["translate", "--checkpoint", str(avg), "--src-lang", "de", "--tgt-lang", "en",
+                              "--beam", "1"], input="Guten Morgen\nDanke\n", capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_subword_cg_two_ranks_deepspeed_launcher(spm_shards, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    args = [str(out), "subword_cg", f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON]
+    run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
+    res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == 10
+    assert res[0]["train_loss"][-1][1] < res[0]["train_loss"][0][1]
+    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    model, cfg, vocab, state, ckpt = load_for_inference(out)
+    assert cfg.model.embedding == "charaware" and state["world_size"] == 2 and isinstance(vocab, SubwordVocab)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], p0[k]) for k in p0)
+    check_decoding(model, vocab, valid_examples(spm_shards))
