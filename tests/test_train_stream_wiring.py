@@ -1,0 +1,65 @@
+"""The trainer feeds the model from the stream the config describes (temperature, workers, vocabulary)."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.data.stream import ShardLoader, ShardStream
+
+TINY = [
+    "model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
+    "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=1000", "train.resume=false",
+    "tracking.enabled=false", "engine.ds_config=ds_configs/zero0.json",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_process_group_after_module():
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    import deepspeed.comm.comm as ds_comm
+
+    ds_comm.cdb = None
+
+
+@pytest.fixture
+def isolated_env():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def directions(batches):
+    c = Counter()
+    for b in batches:
+        c.update(zip(b.src_lang.tolist(), b.tgt_lang.tolist()))
+    return c
+
+
+def test_trainer_stream_uses_temperature_and_workers_from_config(django_shards, tmp_path, isolated_env):
+    from scaletrain.train import Trainer
+
+    cfg = load_config("small", [f"data.shards={django_shards}", f"train.out_dir={tmp_path / 'r'}", *TINY,
+                                "data.temperature=5", "data.num_workers=0", "data.seed=3"])
+    trainer = Trainer(cfg)
+    try:
+        assert isinstance(trainer.stream, ShardLoader)
+        it = iter(trainer.stream)
+        got = [next(it) for _ in range(30)]
+    finally:
+        trainer.close()
+    # the same batches as a stream built by hand with T=5, and not those of T=1
+    kw = dict(seed=3, max_tokens=1000, max_bytes=40, buffer_size=cfg.data.buffer_size)
+    hot = ShardStream(django_shards, "train", temperature=5, **kw)
+    flat = ShardStream(django_shards, "train", temperature=1, **kw)
+    want = [b for b, _ in zip(hot, range(30))]
+    assert all((a.src == b.src).all() and (a.tgt_out == b.tgt_out).all() for a, b in zip(got, want))
+    other = [b for b, _ in zip(flat, range(30))]
+    assert directions(got) != directions(other)
