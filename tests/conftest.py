@@ -43,3 +43,34 @@ def run(cmd, env, timeout=600, cwd=None) -> subprocess.CompletedProcess:
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return p
+
+
+@pytest.fixture(scope="module")
+def in_process_training():
+    """For modules that run Trainers in the test process: they share one gloo group of one (DeepSpeed
+    caches it); remove it, and DeepSpeed's cached backend, when the module is done so later tests start
+    without a process group. Use as ``pytestmark = pytest.mark.usefixtures("in_process_training")``."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    for name, value in list(vars(groups).items()):  # DeepSpeed's cached groups belong to the old world
+        if name.startswith("_") and (name.endswith("_GROUP") or name.endswith("_GROUP_RANKS")):
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(groups, name, None)
+
+
+@pytest.fixture
+def isolated_env():
+    """Training in this process sets the launcher's environment variables: restore them afterwards."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -46,28 +45,7 @@ VARIANTS = {
 MAX_OUT = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _drop_process_group_after_module():
-    """The in-process Trainers share one gloo group of one; remove it (and DeepSpeed's cached
-    backend) when this module is done so later tests start without a process group."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    import deepspeed.comm.comm as ds_comm
-
-    ds_comm.cdb = None
-
-
-@pytest.fixture
-def isolated_dist():
-    """Training in this process sets the launcher's env vars: restore them afterwards. The gloo group
-    of the world of one stays (DeepSpeed caches it); later Trainers in this process reuse it."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("in_process_training")
 
 
 def valid_examples(shards, n=6):
@@ -113,7 +91,7 @@ def check_routing_metrics(metrics: dict, langs: list[str], kernels: list[int]) -
 
 
 @pytest.mark.parametrize("recipe", list(VARIANTS))
-def test_variant_trains_saves_loads_decodes(recipe, django_shards, tmp_path, isolated_dist):
+def test_variant_trains_saves_loads_decodes(recipe, django_shards, tmp_path, isolated_env):
     from scaletrain.train import Trainer
 
     out = tmp_path / "run"

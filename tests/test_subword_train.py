@@ -47,24 +47,7 @@ def spm_shards(django_shards, tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _drop_process_group_after_module():
-    yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    import deepspeed.comm.comm as ds_comm
-
-    ds_comm.cdb = None
-
-
-@pytest.fixture
-def isolated_env():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("in_process_training")
 
 
 def subword_batch(vocab, examples):

@@ -1,7 +1,6 @@
 """The trainer feeds the model from the stream the config describes (temperature, workers, vocabulary)."""
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
@@ -16,24 +15,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _drop_process_group_after_module():
-    yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    import deepspeed.comm.comm as ds_comm
-
-    ds_comm.cdb = None
-
-
-@pytest.fixture
-def isolated_env():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("in_process_training")
 
 
 def directions(batches):
