@@ -9,11 +9,18 @@ Printed per corpus:
 * raw reading of the same tar files (the limit): plain ``read()`` of each file, and Python's
   ``tarfile`` iterating members; expressed as payload MB/s (UTF-8 bytes of both sides carried);
 * ``ShardStream`` (one process = one worker) over one epoch: payload MB/s and batches/s, with
-  the ratio to the raw-read limit; ``ShardLoader`` with 2 DataLoader workers: total and per worker;
+  the ratio to the raw-read limit;
+* ``ShardLoader`` in this process and with 1 and 2 DataLoader worker processes, in the same run,
+  3 epochs each: batches/s (wall, worker start-up included) and the ratio to the in-process
+  loader, plus the training process's CPU time per batch (what the workers take off the training
+  loop);
 * a naive one-pair-per-sample WebDataset layout (``webdataset`` + per-pair decode + collate) on
   the same pairs, as the reference the issue quotes;
 * shard overhead: tar bytes / UTF-8 payload (target <= 1.15);
-* padding waste of the bucketed token-budget batches: padded tokens / all tokens (target <= 10%).
+* padding waste of the bucketed token-budget batches: padded tokens / all tokens (target <= 10%),
+  per budget (``--max-tokens`` and the training default 4096) and window size, with the mean batch
+  fill (padded tokens / budget); on the django corpus also the optimal cut of the same order (a
+  dynamic programme over cut points at the same batch count), the bound for any cut of that order.
 
     python benchmarks/bench_data_stream.py --pairs 200000
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import sys
 import tarfile
@@ -62,32 +70,63 @@ def raw_read(shard_dir: Path) -> tuple[float, float, int]:
     return t_read, t_tar, n
 
 
-def run_stream(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int, workers: int | None):
-    """(wall s, cpu s of this process, batches, real tokens, padded tokens) for one epoch of rank 0 of 1."""
-    kw = dict(max_tokens=max_tokens, max_bytes=max_bytes, epochs=1, buffer_size=buffer)
+def run_stream(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int, workers: int | None, epochs: int = 1):
+    """(wall s, cpu s of this process, batches, real tokens, padded tokens) for ``epochs`` epochs of rank 0
+    of 1. ``workers=None``: ShardStream; else ShardLoader with that many workers (0 = in this process).
+    Timed from the start, worker start-up included (run 2+ epochs to amortise it)."""
+    kw = dict(max_tokens=max_tokens, max_bytes=max_bytes, epochs=epochs, buffer_size=buffer)
+    t, c = time.perf_counter(), time.process_time()
     it = ShardStream(shard_dir, "train", **kw) if workers is None else \
         ShardLoader(shard_dir, "train", num_workers=workers, **kw)
-    t, c = time.perf_counter(), time.process_time()
     nb = real = padded = 0
-    steady = None  # (time, payload) at the first batch: worker start-up excluded for the loader
-    pay = 0
     for b in it:
-        if steady is None and workers:
-            steady = (time.perf_counter(), pay)
         nb += 1
         real += b.n_src_tokens + b.n_tgt_tokens
         padded += b.padded_tokens
-        pay += b.n_src_tokens + b.n_tgt_tokens - 3 * b.size  # bytes: minus tag+EOS (src) and tag (tgt)
-    if steady is not None:  # payload rate after start-up
-        return (time.perf_counter() - steady[0]) * pay / max(1, pay - steady[1]), None, nb, real, padded
     return time.perf_counter() - t, time.process_time() - c, nb, real, padded
 
 
-def padding(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int) -> dict:
+def optimal_cut(s: np.ndarray, t: np.ndarray, max_tokens: int, n_batches: int) -> list[int]:
+    """Cut points of the order (s, t) with the fewest padded tokens among cuts into at most
+    ``n_batches`` budget-respecting batches (dynamic programme, Lagrangian on the batch count):
+    the best any cut of this order can do at that count. O(n * batch size): small corpora only."""
+    n = len(s)
+
+    def solve(lam):
+        f = np.full(n + 1, np.inf)
+        f[0] = 0.0
+        arg = np.zeros(n + 1, np.int64)
+        for j in range(1, n + 1):
+            lo = max(0, j - max_tokens // 3)
+            ss = np.maximum.accumulate(s[lo:j][::-1])
+            tt = np.maximum.accumulate(t[lo:j][::-1])
+            size = np.arange(1, j - lo + 1)
+            c = size * (ss + tt)
+            tot = np.where((c <= max_tokens) | (size == 1), f[j - size] + c + lam, np.inf)
+            k = int(np.argmin(tot))
+            f[j], arg[j] = tot[k], j - (k + 1)
+        bounds = [n]
+        while bounds[-1] > 0:
+            bounds.append(int(arg[bounds[-1]]))
+        return bounds[::-1]
+
+    lam = float(max_tokens)
+    bounds = solve(lam)
+    while len(bounds) - 1 > n_batches:  # penalise batches more until the count is matched
+        lam *= 2
+        bounds = solve(lam)
+    return bounds
+
+
+def padding(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int, dp: bool = False) -> dict:
     """Padding waste and batch count of one epoch's plans (lengths only): the stream's Hilbert order
-    vs the baseline sort by (longer side, sum) that the stream used before, same windows."""
+    vs the baseline sort by (longer side, sum) that the stream used before, same windows; ``dp``: also
+    the optimal cut of the Hilbert order at the greedy cut's batch count.
+    Per order: [padded tokens, real tokens, batches]."""
     s = ShardStream(shard_dir, "train", max_tokens=max_tokens, max_bytes=max_bytes, buffer_size=buffer)
     out = {"hilbert": [0, 0, 0], "longer-side sort": [0, 0, 0]}
+    if dp:
+        out["hilbert, optimal cut"] = [0, 0, 0]
     for w in range(s.n_windows):
         for slot, ids in enumerate(s._slot_blocks(0, w)):
             sl, tl = s._lengths(s._read(ids, lengths_only=True))
@@ -96,9 +135,13 @@ def padding(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int) -> di
             a, b = sl[perm], tl[perm]
             orders = {"hilbert": np.argsort(hilbert_index(a, b), kind="stable"),
                       "longer-side sort": np.lexsort((a + b, np.maximum(a, b)))}
+            if dp:
+                orders["hilbert, optimal cut"] = orders["hilbert"]
             for name, o in orders.items():
                 x, y = a[o], b[o]
                 bounds = greedy_cut(x, y, max_tokens)
+                if name == "hilbert, optimal cut":
+                    bounds = optimal_cut(x, y, max_tokens, len(bounds) - 1)
                 r = out[name]
                 for lo, hi in zip(bounds[:-1], bounds[1:]):
                     r[0] += (hi - lo) * (int(x[lo:hi].max()) + int(y[lo:hi].max()))
@@ -176,7 +219,7 @@ def main() -> None:
         t_read, t_tar, _ = raw_read(d)
         runs = [run_stream(d, a.max_tokens, a.max_bytes, a.buffer, None) for _ in range(2)]
         t_s, c_s, nb, real, padded = min(runs, key=lambda r: r[1])
-        t_l, _, nb_l, _, _ = run_stream(d, a.max_tokens, a.max_bytes, a.buffer, 2)
+        loaders = {w: run_stream(d, a.max_tokens, a.max_bytes, a.buffer, w, epochs=3) for w in (0, 1, 2)}
         t_n, n_naive = naive_webdataset(d, work, a.naive_pairs, a.max_bytes)
         limit = pay / t_tar / MB
         print(f"{'reader':<34}{'payload MB/s':>13}{'batches/s':>11}{'MB/s/worker':>12}{'vs tarfile':>11}")
@@ -185,24 +228,30 @@ def main() -> None:
             ("raw tarfile member reads", limit, None, limit),
             ("ShardStream, 1 worker (wall)", pay / t_s / MB, nb / t_s, pay / t_s / MB),
             ("ShardStream, 1 worker (CPU time)", pay / c_s / MB, nb / c_s, pay / c_s / MB),
-            ("ShardLoader, 2 workers (wall*)", pay / t_l / MB, nb_l / t_l, pay / t_l / MB / 2),
             ("naive 1-pair-per-sample wds", n_naive / t_n / MB, None, n_naive / t_n / MB),
         ]
         for label, mbs, bps, per in rows:
             print(f"{label:<34}{mbs:>13.1f}{(f'{bps:.0f}' if bps else '-'):>11}{per:>12.1f}{mbs / limit:>11.3f}")
+        t0 = loaders[0][0]
+        print(f"ShardLoader, 3 epochs, wall incl. start-up (load average {os.getloadavg()[0]:.1f}):")
+        print(f"  {'workers':<22}{'batches/s':>10}{'payload MB/s':>13}{'vs in-process':>14}{'main CPU ms/batch':>19}")
+        for w, (tw, cw, nbw, _, _) in loaders.items():
+            label = "0 (in this process)" if w == 0 else f"{w} worker process{'es' if w > 1 else ''}"
+            print(f"  {label:<22}{nbw / tw:>10.0f}{3 * pay / tw / MB:>13.1f}{t0 / tw:>14.2f}{1e3 * cw / nbw:>19.3f}")
         per_worker = pay / c_s / MB
         print(f"stream (CPU time) / naive wds: {per_worker / (n_naive / t_n / MB):.0f}x; target >= 25 MB/s per worker: "
               f"{'met' if per_worker >= 25 else 'NOT met'} ({per_worker:.1f} MB/s per CPU-second)")
         print(f"shard overhead: tar bytes / payload = {tar_bytes:,} / {pay:,} = {tar_bytes / pay:.3f} (target <= 1.15)")
         print(f"padding waste of the stream's batches (buffer {a.buffer} blocks, max_tokens {a.max_tokens}): "
-              f"{100 * (1 - real / padded):.2f}% (target <= 10%); plans by order and window size:")
-        print("  (* after the first batch: worker start-up excluded)")
-        for buf in sorted({16, a.buffer, 4 * a.buffer}):
-            p = padding(d, a.max_tokens, a.max_bytes, buf)
-            base = p["longer-side sort"]
-            for name, (pad, rl, n) in p.items():
-                print(f"  buffer {buf:>4} {name:<18} waste {100 * (1 - rl / pad):6.2f}%  batches {n:>6}  "
-                      f"padded tokens vs longer-side sort {pad / base[0]:.3f}")
+              f"{100 * (1 - real / padded):.2f}% (target <= 10%); plans by budget, order and window size:")
+        for mt in sorted({4096, a.max_tokens}):
+            for buf in sorted({16, a.buffer, 4 * a.buffer}):
+                p = padding(d, mt, a.max_bytes, buf, dp=name == "django" and buf == a.buffer)
+                base = p["longer-side sort"]
+                for order, (pad, rl, n) in p.items():
+                    print(f"  max_tokens {mt:>6} buffer {buf:>4} {order:<21} waste {100 * (1 - rl / pad):6.2f}%  "
+                          f"batches {n:>6}  fill {pad / (n * mt):5.3f}  padded tokens vs longer-side sort "
+                          f"{pad / base[0]:.3f}")
 
 
 if __name__ == "__main__":

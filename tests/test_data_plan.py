@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.data.batch import Example, collate
+from scaletrain.data.batch import Batch, Example, collate
 from scaletrain.data.shards import (
     BlockInfo,
     BlockTable,
@@ -20,7 +20,17 @@ from scaletrain.data.shards import (
     read_split,
     write_manifest,
 )
-from scaletrain.data.stream import ShardLoader, ShardStream, _pack, _unpack, greedy_cut, hilbert_index, plan_batches
+from scaletrain.data.stream import (
+    ShardLoader,
+    ShardStream,
+    _pack,
+    _pack_chunk,
+    _unpack,
+    _unpack_chunk,
+    greedy_cut,
+    hilbert_index,
+    plan_batches,
+)
 from scaletrain.errors import ScaletrainError
 
 
@@ -165,8 +175,17 @@ def test_pack_unpack_roundtrip():
     exs = [Example(3, 0, b"abc", b""), Example(0, 7, b"", b"xyz\x02\x00"), Example(1, 2, b"q" * 9, b"r" * 4)]
     b = collate(exs, max_bytes=6)
     packed = _pack(b)
-    assert packed[0].dtype == np.uint16
+    assert packed[1].dtype == np.uint16
     assert_same_batch(_unpack(packed), b)
+    # a chunk of several batches, one of them with ids beyond uint16 (a large subword vocabulary)
+    big = Batch(b.src + 70000, b.tgt_in, b.tgt_out, b.src_lang, b.tgt_lang, b.n_src_tokens, b.n_tgt_tokens)
+    for chunk in ([b, b, b], [b, big]):
+        packed = _pack_chunk(chunk)
+        assert packed[1].dtype == (np.uint16 if len(chunk) == 3 else np.int64)
+        back = _unpack_chunk(packed)
+        assert len(back) == len(chunk)
+        for x, y in zip(back, chunk):
+            assert_same_batch(x, y)
 
 
 def test_loader_with_one_worker_process_equals_stream(tmp_path):

@@ -243,3 +243,35 @@ def test_loader_two_ranks_two_workers_cover_and_resume_exactly(data):
         assert all(same(a, b) for a, b in zip(head + rest, full[1])), k
     with pytest.raises(ScaletrainError, match="worker slot"):
         ShardLoader(d, rank=1, world_size=2, num_workers=3, **KW).load_state_dict(state)
+
+
+def test_loader_chunks_follow_the_window_grid_and_resume_mid_chunk(data):
+    """Workers send up to `chunk` batches per message; the merged order is: chunk c of worker 0, chunk c
+    of worker 1, ..., with chunks on a per-window grid, so resuming inside a chunk is exact."""
+    d, _ = data
+    kw = dict(epochs=1, max_tokens=512, max_bytes=128, buffer_size=4)
+    per_slot = []
+    for v in range(2):
+        s = ShardStream(d, rank=v, world_size=2, **kw)
+        chunks, cur = [], []
+        for b in s:
+            cur.append(b)
+            if s.state_dict()["batch"] % 3 == 0:
+                chunks.append(cur)
+                cur = []
+        chunks += [cur] if cur else []
+        per_slot.append(chunks)
+    assert len(per_slot[0]) == len(per_slot[1]) and any(len(c) == 3 for c in per_slot[0])
+    assert any(len(c) < 3 for c in per_slot[0])  # a window ends inside the grid: a short chunk
+    want = [b for c0, c1 in zip(*per_slot) for b in c0 + c1]
+    full = list(ShardLoader(d, num_workers=2, chunk=3, **kw))
+    assert len(full) == len(want) and all(same(a, b) for a, b in zip(full, want))
+    for k in (1, 4, 5):  # inside worker 0's chunk, inside worker 1's chunk
+        ld = ShardLoader(d, num_workers=2, chunk=3, **kw)
+        head = list(itertools.islice(iter(ld), k))
+        again = ShardLoader(d, num_workers=2, chunk=3, **kw)
+        again.load_state_dict(json.loads(json.dumps(ld.state_dict())))
+        rest = list(again)
+        assert len(head) + len(rest) == len(want) and all(same(a, b) for a, b in zip(head + rest, want)), k
+    with pytest.raises(ScaletrainError, match="chunk=3"):
+        ShardLoader(d, num_workers=2, chunk=4, **kw).load_state_dict(ld.state_dict())

@@ -38,8 +38,11 @@ from scaletrain.data.text import (
     ParallelCorpus,
     check_same_lines,
     index_lines,
+    lang_code,
     read_pair_range,
+    read_tsv_lang_range,
     read_tsv_range,
+    tsv_languages,
 )
 from scaletrain.errors import ScaletrainError
 
@@ -125,8 +128,36 @@ STATE_DIR = ".prepare"  # per-shard completion records while a prepare runs; rem
 
 
 def _vocab_order(corpora: Sequence[ParallelCorpus]) -> list[str]:
-    langs = {l for c in corpora for l in (c.src_lang, c.tgt_lang)}
+    """Languages of the corpora, the pivot (en) first, then sorted; 4-column TSVs are scanned."""
+    langs = {l for c in corpora if not c.lang_columns for l in (c.src_lang, c.tgt_lang)}
+    for c in corpora:
+        if c.lang_columns:
+            langs |= tsv_languages(c.tsv_path)
+    return order_languages(langs)
+
+
+def order_languages(langs) -> list[str]:
+    langs = set(langs)
     return ([PIVOT] if PIVOT in langs else []) + sorted(langs - {PIVOT})
+
+
+def _lang_column_pairs(task: dict, counters: Counter, lang_idx: dict):
+    """(src_idx, tgt_idx, (src, tgt) or None) per line of a 4-column TSV range: malformed lines give
+    ``None`` pairs, unknown languages are counted and skipped, a non-code is an error (file:line)."""
+    path, first = task["corpus"]["tsv_path"], task["first_line"]
+    for j, row in enumerate(read_tsv_lang_range(path, task["src_off"], task["n_lines"])):
+        if row is None:
+            yield 0, 0, None
+            continue
+        a, b = lang_code(row[0], path, first + j + 1), lang_code(row[1], path, first + j + 1)
+        if a == b:
+            yield 0, 0, None
+            continue
+        if a not in lang_idx or b not in lang_idx:
+            counters["lines"] += 1
+            counters["unknown_lang"] += 1
+            continue
+        yield lang_idx[a], lang_idx[b], (row[2], row[3])
 
 
 def _index_corpus(c: ParallelCorpus, every: int) -> tuple[int, list[tuple[int, int]]]:
@@ -145,12 +176,17 @@ def _run_task(task: dict) -> dict:
     flt = PairFilter(task["max_bytes"], task["max_ratio"], task.get("keep_invalid_utf8", False))
     si, ti = task["src_idx"], task["tgt_idx"]
     so, to, n = task["src_off"], task["tgt_off"], task["n_lines"]
-    pairs = read_tsv_range(c.tsv_path, so, n) if c.tsv_path else read_pair_range(c.src_path, c.tgt_path, so, to, n)
     counters = Counter({k: 0 for k in ("lines", "kept", *FILTER_REASONS, *KEPT_NOTES)})
+    if c.lang_columns:
+        counters["unknown_lang"] = 0
+        rows = _lang_column_pairs(task, counters, {l: i for i, l in enumerate(task["languages"])})
+    else:
+        pairs = read_tsv_range(c.tsv_path, so, n) if c.tsv_path else read_pair_range(c.src_path, c.tgt_path, so, to, n)
+        rows = ((si, ti, p) for p in pairs)
     out = Path(task["out"])
     w = SplitWriter(out, c.split, task["languages"], shard_size=1 << 62, block_size=task["block_size"],
                     first_index=task["index"])
-    for pair in pairs:
+    for si, ti, pair in rows:
         counters["lines"] += 1
         reason, src, tgt = flt(pair)
         if reason is not None:
@@ -229,7 +265,7 @@ def prepare_parallel(
     languages = list(languages) if languages is not None else _vocab_order(corpora)
     lang_idx = {l: i for i, l in enumerate(languages)}
     for c in corpora:
-        for l in (c.src_lang, c.tgt_lang):
+        for l in (() if c.lang_columns else (c.src_lang, c.tgt_lang)):
             if l not in lang_idx:
                 raise ScaletrainError(f"corpus {c.name}: language {l!r} is not in languages {languages}")
     if not any(c.split == "train" for c in corpora):
@@ -262,11 +298,11 @@ def prepare_parallel(
             i = next_index[c.split]
             next_index[c.split] += 1
             tasks.append({
-                "corpus": asdict(c), "src_idx": lang_idx[c.src_lang], "tgt_idx": lang_idx[c.tgt_lang],
+                "corpus": asdict(c), "src_idx": lang_idx.get(c.src_lang, -1), "tgt_idx": lang_idx.get(c.tgt_lang, -1),
                 "src_off": so, "tgt_off": to, "n_lines": min(shard_lines, n - k * shard_lines),
                 "index": i, "split_key": shard_name(c.split, i)[:-4], "out": str(out), "languages": languages,
                 "both": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio, "block_size": block_size,
-                "keep_invalid_utf8": keep_invalid_utf8,
+                "keep_invalid_utf8": keep_invalid_utf8, "first_line": k * shard_lines,
             })
     plan_keys = ("corpus", "src_off", "tgt_off", "n_lines", "index")
     plan = {"languages": languages, "params": params, "tasks": [{k: t[k] for k in plan_keys} for t in tasks]}
@@ -363,9 +399,16 @@ def _split_langs(s: str | None) -> list[str] | None:
 def corpora_from_args(args) -> tuple[list[ParallelCorpus], dict]:
     """The line-aligned corpora named by moses / tsv arguments (and a source description)."""
     src, tgt = args.src_lang, args.tgt_lang
-    if not src or not tgt:
+    lang_columns = getattr(args, "tsv_lang_columns", False)
+    if lang_columns:
+        if args.source != "tsv":
+            raise ScaletrainError("--tsv-lang-columns belongs to --source tsv")
+        if src or tgt:
+            raise ScaletrainError("--src-lang/--tgt-lang do not apply with --tsv-lang-columns: each line names its "
+                                  "languages (src_lang<TAB>tgt_lang<TAB>src<TAB>tgt); use --langs to restrict them")
+    elif not src or not tgt:
         raise ScaletrainError(f"--source {args.source} needs --src-lang and --tgt-lang (e.g. --src-lang de --tgt-lang en)")
-    if src == tgt:
+    if src == tgt and not lang_columns:
         raise ScaletrainError(f"--src-lang and --tgt-lang are both {src!r}")
     corpora = []
     if args.source == "moses":
@@ -383,6 +426,16 @@ def corpora_from_args(args) -> tuple[list[ParallelCorpus], dict]:
         for split, pre in (("valid", args.valid_prefix), ("test", args.test_prefix)):
             if pre:
                 corpora.append(ParallelCorpus(split, src, tgt, f"{pre}.{src}", f"{pre}.{tgt}"))
+    elif getattr(args, "tsv_lang_columns", False):
+        if args.prefix or args.src_file or args.tgt_file or args.valid_prefix or args.test_prefix:
+            raise ScaletrainError("--prefix/--src-file/--tgt-file/--valid-prefix/--test-prefix belong to "
+                                  "--source moses, not tsv")
+        if not args.tsv_file:
+            raise ScaletrainError("--source tsv needs --tsv-file FILE (src_lang<TAB>tgt_lang<TAB>src<TAB>tgt per line "
+                                  "with --tsv-lang-columns)")
+        for split, path in (("train", args.tsv_file), ("valid", args.valid_tsv), ("test", args.test_tsv)):
+            if path:
+                corpora.append(ParallelCorpus(split, "", "", tsv_path=path, lang_columns=True))
     else:
         if args.prefix or args.src_file or args.tgt_file or args.valid_prefix or args.test_prefix:
             raise ScaletrainError("--prefix/--src-file/--tgt-file/--valid-prefix/--test-prefix belong to "
@@ -392,12 +445,14 @@ def corpora_from_args(args) -> tuple[list[ParallelCorpus], dict]:
         for split, path in (("train", args.tsv_file), ("valid", args.valid_tsv), ("test", args.test_tsv)):
             if path:
                 corpora.append(ParallelCorpus(split, src, tgt, tsv_path=path))
-    return corpora, {"type": args.source}
+    return corpora, ({"type": args.source, "lang_columns": True} if lang_columns else {"type": args.source})
 
 
 def prepare_from_args(args) -> int:
     """Run ``prepare`` for parsed ``add_prepare_arguments`` args; prints a summary, returns 0."""
     source = args.source
+    if getattr(args, "tsv_lang_columns", False) and source != "tsv":
+        raise ScaletrainError(f"--tsv-lang-columns belongs to --source tsv, not {source}")
     out = args.out or DEFAULT_OUT.get(source)
     if out is None:
         raise ScaletrainError(f"--source {source} needs --out DIR")
@@ -425,10 +480,13 @@ def prepare_from_args(args) -> int:
                 raise ScaletrainError("--source opus100 needs --opus-root DIR (the OPUS-100 release folder)")
             m = prepare_opus100(args.opus_root, out, langs=langs, **kw)
         else:
-            if langs:
-                raise ScaletrainError(f"--langs is for gettext and opus100; --source {source} uses "
-                                      "--src-lang/--tgt-lang")
+            lang_columns = getattr(args, "tsv_lang_columns", False)
+            if langs and not lang_columns:
+                raise ScaletrainError(f"--langs is for gettext, opus100 and --tsv-lang-columns; --source {source} "
+                                      "uses --src-lang/--tgt-lang")
             corpora, src = corpora_from_args(args)
+            if langs:  # 4-column TSV: the languages to keep (others are counted as unknown_lang)
+                kw["languages"] = order_languages(langs)
             m = prepare_parallel(corpora, out, source=src, **kw)
     if getattr(args, "spm_vocab_size", 0):
         from scaletrain.subword import add_spm_model

@@ -18,7 +18,7 @@ def add_prepare_arguments(p) -> None:
                    "shards/opus100 for opus100; required otherwise)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--langs", default=None, help="comma-separated language codes (gettext: default the bundled "
-                   "set; opus100: default every language found)")
+                   "set; opus100 and tsv with --tsv-lang-columns: default every language found)")
     g = p.add_argument_group("gettext")
     g.add_argument("--package", default="django", help="installed Python package whose gettext catalogs to read")
     g.add_argument("--locale-dir", default=None, help="read <DIR>/<locale>/LC_MESSAGES/*.mo instead of a package "
@@ -38,6 +38,9 @@ def add_prepare_arguments(p) -> None:
     m.add_argument("--valid-prefix", default=None, help="moses valid files PREFIX.SRC_LANG / PREFIX.TGT_LANG")
     m.add_argument("--test-prefix", default=None, help="moses test files PREFIX.SRC_LANG / PREFIX.TGT_LANG")
     m.add_argument("--tsv-file", default=None, help="tsv train file: src<TAB>tgt per line")
+    m.add_argument("--tsv-lang-columns", action="store_true", help="the tsv files have 4 columns, "
+                   "src_lang<TAB>tgt_lang<TAB>src<TAB>tgt (languages per line, many directions in one file); "
+                   "--langs then lists the languages to keep (default: every code in the files)")
     m.add_argument("--valid-tsv", default=None, help="tsv valid file")
     m.add_argument("--test-tsv", default=None, help="tsv test file")
     f = p.add_argument_group("line-aligned sources (opus100, moses, tsv): filters and parallelism")

@@ -56,7 +56,7 @@ import torch
 from scaletrain.data.batch import Batch, Example, collate_arrays
 from scaletrain.data.shards import load_manifest, read_block
 from scaletrain.errors import ScaletrainError
-from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
+from scaletrain.vocab import BYTE_OFFSET, LANG_OFFSET
 
 STATE_VERSION = 1
 
@@ -511,13 +511,25 @@ class ShardStream:
 # dataloader workers
 # ---------------------------------------------------------------------------------------------
 class _SlotDataset(torch.utils.data.IterableDataset):
-    """What a DataLoader worker runs: the ShardStream of one virtual slot, tagged with positions."""
+    """What a DataLoader worker runs: the ShardStream of one virtual slot.
+
+    In a worker process it yields *chunks*: ``(v, base_state, positions [k, 3], packed)`` holding
+    consecutive batches of virtual worker ``v`` packed into one flat array, with the stream position
+    (epoch, window, batch) after each batch. A chunk ends after the batch whose index within its
+    window is ``chunk - 1`` mod ``chunk``, or the window's last batch: every slot has the same number
+    of batches per window, so all slots share the same chunk grid and chunks never cross a window
+    (or epoch) boundary. One message per chunk
+    amortises the per-item cost of the DataLoader (index queue round trip, result queue, pickling
+    a tuple of arrays and a state dict) over ``k`` batches. In this process (``num_workers=0``) it
+    yields ``(v, state, Batch)`` per batch.
+    """
 
     def __init__(self, loader: "ShardLoader"):
         super().__init__()
         self.args = loader._stream_args
         self.rank, self.world_size, self.nw = loader.rank, loader.world_size, loader.nw
         self.positions, self.next = list(loader._positions), loader._next
+        self.chunk = loader._msg
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -527,36 +539,61 @@ class _SlotDataset(torch.utils.data.IterableDataset):
                         **self.args[1])
         if self.positions[v] is not None:
             s.load_state_dict(self.positions[v])
-        packed = info is not None  # crossing a process boundary: send compact arrays, not tensors
-        for batch in s:
-            yield v, s.state_dict(), (_pack(batch) if packed else batch)
+        if info is None:
+            for batch in s:
+                yield v, s.state_dict(), batch
+            return
+        base = s.state_dict()
+        it = iter(s)
+        batches, pos = [], []
+        for batch in it:
+            batches.append(batch)
+            pos.append((s._epoch, s._window, s._batch))
+            if s._batch % self.chunk == 0:  # the next batch starts a chunk (or a window)
+                yield v, base, np.asarray(pos, dtype=np.int64), _pack_chunk(batches)
+                batches, pos = [], []
+        if batches:
+            yield v, base, np.asarray(pos, dtype=np.int64), _pack_chunk(batches)
 
 
 def _identity(x):
     return x
 
 
+def _pack_chunk(batches: list[Batch]) -> tuple:
+    """Batches as one header array ``[k, 6]`` (B, S, T, n_src, n_tgt, 0) and one flat id array (uint16
+    when every id fits, else int64) holding each batch's src, tgt_in, tgt_out, src_lang, tgt_lang:
+    two arrays to pickle per chunk instead of a tuple of tensors per batch."""
+    head = np.array([(b.size, b.src.shape[1], b.tgt_in.shape[1], b.n_src_tokens, b.n_tgt_tokens, 0)
+                     for b in batches], dtype=np.int64)
+    parts = []
+    for b in batches:
+        parts += [b.src.numpy().ravel(), b.tgt_in.numpy().ravel(), b.tgt_out.numpy().ravel(), b.src_lang.numpy(),
+                  b.tgt_lang.numpy()]
+    flat = np.concatenate(parts)
+    small = flat.size == 0 or (int(flat.max()) < 65536 and int(flat.min()) >= 0)
+    return head, flat.astype(np.uint16) if small else flat
+
+
 def _pack(b: Batch) -> tuple:
-    """A batch as a few small numpy arrays (uint16 ids when they fit): pickled through the worker
-    queue by value, which is much cheaper than one shared-memory segment per tensor."""
-    dt = np.uint16 if int(b.src.max()) < 65536 and int(b.tgt_in.max()) < 65536 else np.int64
-    return (b.src.numpy().astype(dt), b.tgt_out.numpy().astype(dt), b.src_lang.numpy(), b.tgt_lang.numpy(),
-            b.n_src_tokens, b.n_tgt_tokens, int(b.tgt_in[0, 0]) - int(b.tgt_lang[0]))
+    """One batch in the worker wire format (a chunk of one)."""
+    return _pack_chunk([b])
 
 
 def _unpack(p) -> Batch:
-    if isinstance(p, Batch):
-        return p
-    src, tgt_out, src_lang, tgt_lang, ns, nt, lang_offset = p
-    src = src.astype(np.int64)
-    tgt_out = tgt_out.astype(np.int64)
-    tgt_in = np.empty_like(tgt_out)
-    tgt_in[:, 0] = tgt_lang + lang_offset
-    tgt_in[:, 1:] = tgt_out[:, :-1]
-    tgt_in[:, 1:][tgt_out[:, :-1] == EOS] = PAD  # EOS is only ever the last real target token
-    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
-                 torch.from_numpy(np.asarray(src_lang, dtype=np.int64)),
-                 torch.from_numpy(np.asarray(tgt_lang, dtype=np.int64)), ns, nt)
+    return p if isinstance(p, Batch) else _unpack_chunk(p)[0]
+
+
+def _unpack_chunk(packed) -> list[Batch]:
+    head, flat = packed
+    out, o = [], 0
+    for B, S, T, ns, nt, _ in head.tolist():
+        arrs = []
+        for n, shape in ((B * S, (B, S)), (B * T, (B, T)), (B * T, (B, T)), (B, (B,)), (B, (B,))):
+            arrs.append(torch.from_numpy(flat[o:o + n].astype(np.int64).reshape(shape)))
+            o += n
+        out.append(Batch(*arrs, ns, nt))
+    return out
 
 
 class ShardLoader:
@@ -564,21 +601,33 @@ class ShardLoader:
 
     Each (rank, worker) pair is one slot of a ShardStream with ``world_size * num_workers`` slots,
     so workers split the rank's data at block granularity and every slot yields the same number
-    of batches per window. The DataLoader takes batches round robin from its workers; worker ``i``
-    plays virtual worker ``(next + i) % num_workers``, where ``next`` is the one whose batch is due,
-    so a resumed loader continues the same sequence. The state is each virtual worker's stream
-    position plus ``next``. ``num_workers=0`` iterates in this process (same batches as
-    ``ShardStream``).
+    of batches per window. Workers send up to ``chunk`` consecutive batches per DataLoader item
+    (chunks follow a per-window grid: batch indices ``[0, chunk)``, ``[chunk, 2 chunk)``, ... of each
+    window) and the DataLoader takes items round robin, so the batch order is: a chunk of virtual
+    worker 0, the same chunk of worker 1, ...; windows and epochs end at the same point of the
+    sequence as with ``chunk=1``. Worker ``i`` plays virtual worker ``(next + i) % num_workers``,
+    where ``next`` is the one whose chunk is due (it may be part-way through it), so a resumed loader
+    continues the same sequence. The state is each virtual worker's stream position plus ``next``.
+    ``num_workers=0`` iterates in this process (same batches as ``ShardStream``).
+
+    Cost: every worker plans the batches of all ``world_size * num_workers`` slots of a window (the
+    plans give the equal per-slot batch count without communication), so planning work grows with
+    the number of workers; reading and collating the examples does not (each worker reads only its
+    own blocks fully). The DataLoader sets one torch thread per worker.
     """
 
     def __init__(self, shard_dir: str | Path, split: str = "train", *, rank: int = 0, world_size: int = 1,
-                 num_workers: int = 0, prefetch_factor: int = 2, **stream_kwargs):
+                 num_workers: int = 0, prefetch_factor: int = 2, chunk: int = 8, **stream_kwargs):
         if num_workers < 0:
             raise ScaletrainError(f"num_workers must be >= 0 (got {num_workers})")
+        if chunk < 1:
+            raise ScaletrainError(f"chunk (batches per worker message) must be >= 1 (got {chunk})")
         if world_size < 1 or not (0 <= rank < world_size):
             raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.nw = max(1, num_workers)
+        self.chunk = chunk if num_workers > 1 else 1  # with 0 or 1 worker the order does not depend on it
+        self._msg = chunk  # batches per message from a worker process (at most)
         self.prefetch_factor = prefetch_factor
         self._stream_args = ((shard_dir, split), stream_kwargs)
         # validate the settings here (bad input -> ScaletrainError in the main process)
@@ -591,31 +640,44 @@ class ShardLoader:
         pos = self._positions[self._next]
         return 0 if pos is None else int(pos["epoch"])
 
+    def _advance(self, v: int, pos: dict) -> None:
+        self._positions[v] = pos
+        if int(pos["batch"]) % self.chunk == 0:  # v's chunk is complete: the next worker's is due
+            self._next = (v + 1) % self.nw
+
     def __iter__(self) -> Iterator[Batch]:
         ds = _SlotDataset(self)
         if self.num_workers == 0:
-            it = iter(ds)
-        else:
-            it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                                  prefetch_factor=self.prefetch_factor, collate_fn=_identity))
-        for v, pos, batch in it:
-            self._positions[v] = pos
-            self._next = (v + 1) % self.nw
-            yield _unpack(batch)
+            for v, pos, batch in ds:
+                self._advance(v, pos)
+                yield batch
+            return
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                                         prefetch_factor=self.prefetch_factor, collate_fn=_identity)
+        for v, base, pos, packed in dl:
+            for (e, w, b), batch in zip(pos.tolist(), _unpack_chunk(packed)):
+                self._advance(v, {**base, "epoch": e, "window": w, "batch": b})
+                yield batch
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "num_workers": self.nw, "next": self._next,
+        return {"version": STATE_VERSION, "num_workers": self.nw, "next": self._next, "chunk": self.chunk,
                 "positions": [None if p is None else dict(p) for p in self._positions]}
 
     def load_state_dict(self, state: dict) -> None:
         try:
             nw, nxt, positions = int(state["num_workers"]), int(state["next"]), list(state["positions"])
+            chunk = int(state.get("chunk", 1))  # older states: one batch per worker turn
         except (KeyError, TypeError, ValueError) as e:
             raise ScaletrainError(f"invalid data-loader state ({type(e).__name__}: {e})") from None
         if nw != self.nw or len(positions) != nw or not (0 <= nxt < nw):
             raise ScaletrainError(
                 f"cannot resume the data loader exactly: saved with {nw} worker slot(s), now {self.nw}; "
                 "use the same data.num_workers as the run that saved the checkpoint"
+            )
+        if chunk != self.chunk and nw > 1:
+            raise ScaletrainError(
+                f"cannot resume the data loader exactly: saved with chunk={chunk} batches per worker turn, "
+                f"this loader uses chunk={self.chunk}; construct it with chunk={chunk}"
             )
         for v, p in enumerate(positions):  # validates each position against the current settings
             if p is not None:

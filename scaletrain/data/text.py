@@ -1,12 +1,26 @@
 """Line-aligned parallel text: Moses-style file pairs (``corpus.de`` / ``corpus.en``) and TSV.
 
+TSV comes in two layouts: ``src<TAB>tgt`` (one direction for the whole file, languages given by
+the caller) and, with ``lang_columns=True`` (``prepare --tsv-lang-columns``),
+``src_lang<TAB>tgt_lang<TAB>src<TAB>tgt``: languages per line, so one file can hold many directions
+(e.g. a mixed OPUS dump). Rules for the language columns (no auto-detection: the flag says which
+layout a file has, because a 4-column line can be legitimate text in the 2-column layout):
+    * a code is ASCII letters (2-3) with optional ``-``/``_`` subtags (``en``, ``pt_BR``,
+      ``sr-Latn``, ``zh-Hans``), surrounding spaces stripped; anything else (empty, a sentence, a
+      number) means the file is not in this layout: ``ScaletrainError`` naming ``file:line``;
+    * a line without exactly 4 columns, or with the same language on both sides, is ``malformed``
+      (counted, dropped), like a 2-column line without exactly one tab;
+    * a well-formed code outside the corpus' language list (``prepare --langs``) is counted as
+      ``unknown_lang`` and dropped; without ``--langs`` the list is every code in the files
+      (``tsv_languages``, one streaming pass).
+
 Everything streams: files are read line by line in binary (never a whole corpus in memory).
 A cheap first pass (``index_lines``) counts lines with numpy and records the byte offset of every
 ``every``-th line, so the work can be cut into independent line ranges (one output shard each)
 that worker processes read with one seek.
 
 Filtering (``PairFilter``), per pair, first rule that fires is counted:
-    ``malformed``     TSV line without exactly one tab
+    ``malformed``     TSV line without exactly one tab (4-column TSV: not 3 tabs, or src_lang == tgt_lang)
     ``invalid_utf8``  either side is not valid UTF-8
     ``empty``         either side empty after stripping surrounding whitespace
     ``too_long``      either side longer than ``max_bytes`` (default 800) bytes
@@ -17,6 +31,7 @@ stripped) when no other rule fires; it is counted as ``invalid_utf8_kept``.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -100,6 +115,56 @@ def read_tsv_range(path, off: int, n: int) -> Iterator[tuple[bytes, bytes] | Non
         yield (parts[0], parts[1]) if len(parts) == 2 else None
 
 
+LANG_CODE = re.compile(rb"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8})*")
+
+
+def lang_code(code: bytes, path, line_no: int) -> str:
+    """A language column's code as str; not a code -> ScaletrainError naming ``path:line_no`` (1-based)."""
+    c = code.strip()
+    if not LANG_CODE.fullmatch(c):
+        shown = code[:40].decode("utf-8", "replace")
+        raise ScaletrainError(
+            f"{path}:{line_no}: language column holds {shown!r}, not a language code (e.g. en, de, pt_BR, "
+            "sr-Latn); with --tsv-lang-columns every line is src_lang<TAB>tgt_lang<TAB>src<TAB>tgt "
+            "(drop the flag for src<TAB>tgt files)"
+        )
+    return c.decode("ascii")
+
+
+def read_tsv_lang_range(path, off: int, n: int) -> Iterator[tuple[bytes, bytes, bytes, bytes] | None]:
+    """(src_lang, tgt_lang, src, tgt) per line of a 4-column TSV; ``None`` when not exactly 4 columns."""
+    for line in read_lines(path, off, n):
+        parts = line.split(b"\t")
+        yield (parts[0], parts[1], parts[2], parts[3]) if len(parts) == 4 else None
+
+
+def tsv_languages(path: str | Path) -> set[str]:
+    """Every language code in the language columns of a 4-column TSV (one streaming pass; lines
+    without 4 columns or with the same language twice are skipped here, prepare counts them as
+    malformed)."""
+    langs: set[str] = set()
+    seen: set[bytes] = set()
+    try:
+        with open(path, "rb") as f:
+            for i, line in enumerate(f, 1):
+                if line.count(b"\t") != 3:
+                    continue
+                a, b, _ = line.split(b"\t", 2)
+                if a not in seen:  # validate each distinct raw code once
+                    lang_code(a, path, i)
+                    seen.add(a)
+                if b not in seen:
+                    lang_code(b, path, i)
+                    seen.add(b)
+                ca, cb = a.strip(), b.strip()
+                if ca != cb:  # a line with one language on both sides is malformed: it adds none
+                    langs.add(ca.decode("ascii"))
+                    langs.add(cb.decode("ascii"))
+    except OSError as e:
+        raise ScaletrainError(f"cannot read {path}: {e}") from None
+    return langs
+
+
 @dataclass(frozen=True)
 class PairFilter:
     max_bytes: int = 800
@@ -143,7 +208,9 @@ class PairFilter:
 
 @dataclass(frozen=True)
 class ParallelCorpus:
-    """One line-aligned corpus of one split: a file pair or a TSV file (src<TAB>tgt)."""
+    """One line-aligned corpus of one split: a file pair or a TSV file (src<TAB>tgt), or a TSV file with
+    language columns (``lang_columns=True``: src_lang<TAB>tgt_lang<TAB>src<TAB>tgt; ``src_lang`` /
+    ``tgt_lang`` are then unused, pass "")."""
 
     split: str
     src_lang: str
@@ -151,16 +218,21 @@ class ParallelCorpus:
     src_path: str | None = None
     tgt_path: str | None = None
     tsv_path: str | None = None
+    lang_columns: bool = False
 
     def __post_init__(self):
         if self.split not in ("train", "valid", "test"):
             raise ScaletrainError(f"split must be train, valid or test (got {self.split!r})")
         if (self.tsv_path is None) == (self.src_path is None or self.tgt_path is None):
             raise ScaletrainError("give either tsv_path or both src_path and tgt_path")
+        if self.lang_columns and self.tsv_path is None:
+            raise ScaletrainError("language columns (src_lang<TAB>tgt_lang<TAB>src<TAB>tgt) need a tsv_path")
         for p in (self.src_path, self.tgt_path, self.tsv_path):
             if p is not None and not Path(p).is_file():
                 raise ScaletrainError(f"corpus file {p} does not exist")
 
     @property
     def name(self) -> str:
+        if self.lang_columns:
+            return f"{self.split}:{Path(self.tsv_path).name}"
         return f"{self.split}:{self.src_lang}-{self.tgt_lang}"
