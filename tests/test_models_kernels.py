@@ -165,3 +165,28 @@ def test_bf16_training_step_matches_between_kernel_families():
     for a, b in zip(out["torch"][1], out["auto"][1]):
         assert (a - b).norm().item() <= 0.05 * a.norm().item() + 1e-3
     assert math.isfinite(out["auto"][0].sum().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_dropout_is_x_plus_dropout_with_exact_scale_and_gradients(dtype):
+    kernels.configure("auto")
+    x = torch.randn(256, 64).to(dtype).requires_grad_()
+    y = torch.randn(256, 64).to(dtype).requires_grad_()
+    torch.manual_seed(7)
+    out = kernels.residual_dropout(x, y, 0.2, True)
+    torch.manual_seed(7)
+    keep = kernels.keep_mask(y.shape, 0.2)
+    scale = 1 / (1 - round(0.2 * 2**15) / 2**15)
+    ref = x.detach().float() + y.detach().float() * keep.float() * scale  # one rounding at the end
+    tol = 0 if dtype == torch.float32 else 2.0**-7 * ref.abs().max().item()
+    assert (out.detach().float() - ref).abs().max().item() <= tol + 1e-6
+    out.float().sum().backward()
+    assert torch.equal(x.grad.float(), torch.ones(256, 64))
+    assert torch.allclose(y.grad.float(), keep.float() * scale, rtol=2**-7)
+    # off in eval mode / p = 0; the stock family gives x + F.dropout(y)
+    assert torch.equal(kernels.residual_dropout(x, y, 0.2, False), x + y)
+    kernels.configure("torch")
+    torch.manual_seed(7)
+    a = kernels.residual_dropout(x, y, 0.2, True)
+    torch.manual_seed(7)
+    assert torch.equal(a, x + torch.nn.functional.dropout(y, 0.2, True))

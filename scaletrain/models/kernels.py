@@ -69,8 +69,8 @@ def attention(q, k, v, mask: Optional[torch.Tensor] = None, is_causal: bool = Fa
     if is_causal:
         causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         mask = causal if mask is None else mask & causal
-    if mask is not None:
-        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    if mask is not None:  # in place: matmul's backward does not need its output
+        s.masked_fill_(~mask, torch.finfo(s.dtype).min)
     p = torch.softmax(s, dim=-1)
     if dropout_p > 0.0:
         p = dropout(p, dropout_p, True)
@@ -104,3 +104,16 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if q >= 1.0:
         return torch.zeros_like(x)
     return x * keep_mask(x.shape, p) * (1.0 / (1.0 - q))
+
+
+def residual_dropout(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``x + dropout(y)``; on CPU under ``model.kernels=auto`` one fused ``addcmul`` with the 0/1 mask
+    (the 1/(1-p) scale is applied in fp32 inside the op, so bf16 keeps it exact)."""
+    if not training or p == 0.0:
+        return x + y
+    if _mode != "auto" or y.device.type != "cpu" or p >= 1.0 or x.dtype != y.dtype:
+        return x + F.dropout(y, p, True)
+    q = int(round(p * _LANES)) / _LANES
+    if q >= 1.0:
+        return x + torch.zeros_like(y)
+    return torch.addcmul(x, y, keep_mask(y.shape, p).to(y.dtype), value=1.0 / (1.0 - q))

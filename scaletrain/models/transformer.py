@@ -261,8 +261,8 @@ class _Residual(nn.Module):
 
     def forward(self, x, fn):
         if self.pre_ln:
-            return x + kernels.dropout(fn(self.norm(x)), self.dropout, self.training)
-        return self.norm(x + kernels.dropout(fn(x), self.dropout, self.training))
+            return kernels.residual_dropout(x, fn(self.norm(x)), self.dropout, self.training)
+        return self.norm(kernels.residual_dropout(x, fn(x), self.dropout, self.training))
 
 
 class EncoderLayer(nn.Module):
