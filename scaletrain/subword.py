@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.vocab import BOS, EOS, PAD, SPECIALS, UNK, DecodeResult, _decode_counting
+from scaletrain.vocab import BOS, EOS, PAD, SPECIALS, UNK, DecodeResult, LanguageTags, _decode_counting
 
 SPM_TYPE = "spm"
 WORD_START = "\u2581"  # SentencePiece's word-start mark
@@ -62,20 +62,14 @@ def spm_file_name(vocab_size: int) -> str:
     return f"spm{vocab_size}.model"
 
 
-class SubwordVocab:
+class SubwordVocab(LanguageTags):
     """SentencePiece BPE pieces with language tags appended in manifest order (see module doc)."""
 
     kind = "spm"
-    pad = PAD
-    bos = BOS
-    eos = EOS
-    unk = UNK
 
     def __init__(self, langs: Sequence[str], model_path: str | Path | None = None, *, num_threads: int = 1,
                  model_proto: bytes | None = None):
-        langs = list(langs)
-        if len(set(langs)) != len(langs):
-            raise ScaletrainError(f"duplicate language codes in vocabulary: {langs}")
+        self._set_langs(langs)
         if model_proto is None:
             if model_path is None:
                 raise ScaletrainError("SubwordVocab needs a SentencePiece model file")
@@ -84,8 +78,6 @@ class SubwordVocab:
             except OSError as e:
                 raise ScaletrainError(f"cannot read the SentencePiece model {model_path}: {e}") from None
         self.model_path = None if model_path is None else Path(model_path)
-        self.langs = langs
-        self._lang_index = {code: i for i, code in enumerate(langs)}
         self.num_threads = int(num_threads)
         self.sha256 = hashlib.sha256(model_proto).hexdigest()
         self._proto = bytes(model_proto)
@@ -149,27 +141,6 @@ class SubwordVocab:
     def spm_size(self) -> int:
         return self._spm_size
 
-    def lang_index(self, code: str) -> int:
-        try:
-            return self._lang_index[code]
-        except KeyError:
-            raise ScaletrainError(
-                f"unknown language code {code!r}; this vocabulary has: {', '.join(self.langs)}"
-            ) from None
-
-    def lang_id(self, code: str) -> int:
-        return self._spm_size + self.lang_index(code)
-
-    def lang_ids(self) -> np.ndarray:
-        return np.arange(self._spm_size, self.size, dtype=np.int64)
-
-    def is_lang_id(self, i: int) -> bool:
-        return self._spm_size <= i < self.size
-
-    def lang_of_id(self, i: int) -> str:
-        if not self.is_lang_id(i):
-            raise ScaletrainError(f"id {i} is not a language tag")
-        return self.langs[i - self._spm_size]
 
     def token_str(self, i: int) -> str:
         if 0 <= i < len(SPECIALS):

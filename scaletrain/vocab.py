@@ -50,17 +50,53 @@ def _decode_counting(raw: bytes) -> DecodeResult:
     return DecodeResult("".join(parts), invalid)
 
 
-class ByteVocab:
-    """Byte vocabulary with language tags appended in manifest order."""
+class LanguageTags:
+    """The language-tag ids every vocabulary shares: one tag per language, in manifest order, from
+    ``lang_offset`` (a property of each vocabulary) up to ``size``."""
 
-    kind = "byte"
+    pad = PAD
+    bos = BOS
+    eos = EOS
+    unk = UNK
+    lang_offset: int
 
-    def __init__(self, langs: Sequence[str]):
+    def _set_langs(self, langs: Sequence[str]) -> None:
         langs = list(langs)
         if len(set(langs)) != len(langs):
             raise ScaletrainError(f"duplicate language codes in vocabulary: {langs}")
         self.langs = langs
         self._lang_index = {code: i for i, code in enumerate(langs)}
+
+    def lang_index(self, code: str) -> int:
+        try:
+            return self._lang_index[code]
+        except KeyError:
+            raise ScaletrainError(
+                f"unknown language code {code!r}; this vocabulary has: {', '.join(self.langs)}"
+            ) from None
+
+    def lang_id(self, code: str) -> int:
+        return self.lang_offset + self.lang_index(code)
+
+    def lang_ids(self) -> np.ndarray:
+        return np.arange(self.lang_offset, self.lang_offset + len(self.langs), dtype=np.int64)
+
+    def is_lang_id(self, i: int) -> bool:
+        return self.lang_offset <= i < self.lang_offset + len(self.langs)
+
+    def lang_of_id(self, i: int) -> str:
+        if not self.is_lang_id(i):
+            raise ScaletrainError(f"id {i} is not a language tag")
+        return self.langs[i - self.lang_offset]
+
+
+class ByteVocab(LanguageTags):
+    """Byte vocabulary with language tags appended in manifest order."""
+
+    kind = "byte"
+
+    def __init__(self, langs: Sequence[str]):
+        self._set_langs(langs)
 
     # ---- sizes and ids -------------------------------------------------------------
     @property
@@ -69,11 +105,6 @@ class ByteVocab:
 
     def __len__(self) -> int:
         return self.size
-
-    pad = PAD
-    bos = BOS
-    eos = EOS
-    unk = UNK
 
     @property
     def lang_offset(self) -> int:
@@ -85,27 +116,6 @@ class ByteVocab:
         '' for specials and language tags (same interface as ``SubwordVocab.pieces``)."""
         return [""] * BYTE_OFFSET + [chr(b) for b in range(N_BYTES)] + [""] * len(self.langs)
 
-    def lang_index(self, code: str) -> int:
-        try:
-            return self._lang_index[code]
-        except KeyError:
-            raise ScaletrainError(
-                f"unknown language code {code!r}; this vocabulary has: {', '.join(self.langs)}"
-            ) from None
-
-    def lang_id(self, code: str) -> int:
-        return LANG_OFFSET + self.lang_index(code)
-
-    def lang_ids(self) -> np.ndarray:
-        return np.arange(LANG_OFFSET, LANG_OFFSET + len(self.langs), dtype=np.int64)
-
-    def is_lang_id(self, i: int) -> bool:
-        return LANG_OFFSET <= i < self.size
-
-    def lang_of_id(self, i: int) -> str:
-        if not self.is_lang_id(i):
-            raise ScaletrainError(f"id {i} is not a language tag")
-        return self.langs[i - LANG_OFFSET]
 
     def token_str(self, i: int) -> str:
         if i < BYTE_OFFSET:
