@@ -1,3 +1,4 @@
+import gc
 import os
 import socket
 import subprocess
@@ -65,6 +66,9 @@ def in_process_training():
                 value.clear()
             else:
                 setattr(groups, name, None)
+    # Free the dropped process groups now, in this process: left to a later garbage collection, a
+    # gloo group's destructor can run in a forked child (whose gloo threads do not exist) and hang it.
+    gc.collect()
 
 
 @pytest.fixture
