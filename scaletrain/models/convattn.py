@@ -190,7 +190,15 @@ class MoCEExperts(nn.Module):
         ws = [F.pad(w, ((self.kmax - w.shape[-1]) // 2,) * 2) for w in self.weights]
         w = torch.cat(ws, 0).to(z.dtype)
         b = torch.cat(list(self.biases), 0).to(z.dtype)
-        y = F.conv1d(z.transpose(1, 2), w, b, padding=self.kmax // 2)  # [N, n_conv*Dh, T]
+        if z.device.type == "cpu":
+            # z [N, T, Dh] IS the channels-last layout of an [N, Dh, 1, T] image: a 2-D conv over it runs
+            # ~1.9x faster (fwd+bwd) than conv1d on the transposed view (oneDNN, measured at N 768, T 64,
+            # Dh 36, 5 experts); the output [N, n_conv*Dh, 1, T] is channels-last too: [N, T, n_conv*Dh]
+            x = z.transpose(1, 2).unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            w2 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            y = F.conv2d(x, w2, b, padding=(0, self.kmax // 2)).squeeze(2)  # [N, n_conv*Dh, T]
+        else:
+            y = F.conv1d(z.transpose(1, 2), w, b, padding=self.kmax // 2)  # [N, n_conv*Dh, T]
         return y.view(N, len(ws), Dh, T)
 
     def forward(self, z: torch.Tensor, pad_mask: torch.Tensor, lid: torch.Tensor | None, lang: torch.Tensor | None):
