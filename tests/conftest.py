@@ -78,3 +78,27 @@ def isolated_env():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def two_rank_training(out: Path, recipe: str, *overrides: str, tmp_path: Path, steps: int = 10):
+    """Train ``recipe`` on 2 ranks under the ``deepspeed`` launcher (tests/dist_driver.py), check what every
+    2-rank run must show (world size 2, ``steps`` steps on both ranks, falling loss, identical parameters on
+    both ranks, the final checkpoint loads as exactly those parameters) and return
+    ``(model, cfg, vocab, trainer_state)`` of that checkpoint."""
+    import json
+
+    import torch
+
+    from scaletrain.checkpoint import load_for_inference
+
+    out.mkdir(exist_ok=True)
+    run(deepspeed_cmd(2, "tests/dist_driver.py", str(out), recipe, *overrides), launcher_env(tmp_path))
+    res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == steps
+    assert res[0]["train_loss"][-1][1] < res[0]["train_loss"][0][1]
+    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    model, cfg, vocab, state, _ = load_for_inference(out)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], p0[k]) for k in p0)
+    return model, cfg, vocab, state

@@ -8,13 +8,12 @@ runs on 2 ranks through the `deepspeed` launcher, and its routing statistics com
 """
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from conftest import deepspeed_cmd, launcher_env, run
+from conftest import two_rank_training
 from scaletrain import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
@@ -125,17 +124,8 @@ def test_variant_trains_saves_loads_decodes(recipe, django_shards, tmp_path, iso
 @pytest.mark.slow
 def test_moce_two_ranks_deepspeed_launcher(django_shards, tmp_path):
     out = tmp_path / "run"
-    out.mkdir()
-    args = [str(out), "moce_d5_lid", f"data.shards={django_shards}", f"train.out_dir={out}", *COMMON, *LEARNED,
-            "train.max_steps=10"]
-    run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
-    res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == 10
-    assert res[0]["train_loss"][-1][1] < res[0]["train_loss"][0][1]
-    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
-    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
-    model, cfg, vocab, state, ckpt = load_for_inference(out)
+    model, cfg, vocab, state = two_rank_training(
+        out, "moce_d5_lid", f"data.shards={django_shards}", f"train.out_dir={out}", *COMMON, *LEARNED,
+        "train.max_steps=10", tmp_path=tmp_path)
     assert cfg.model.arch == "moce" and cfg.model.moce_lid and state["world_size"] == 2
-    loaded = model.state_dict()
-    assert all(torch.equal(loaded[k], p0[k]) for k in p0)
     check_decoding(model, valid_examples(django_shards))

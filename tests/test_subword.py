@@ -227,6 +227,13 @@ def test_stream_batches_tokens_tags_budget_and_coverage(spm_dir, vocab):
     assert sum(b.size for b in short) == len(exs)
 
 
+def assert_same_batches(got, want):
+    """The resumed sequence is the uninterrupted one, batch for batch."""
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+        assert torch.equal(x.src, y.src) and torch.equal(x.tgt_in, y.tgt_in) and torch.equal(x.tgt_out, y.tgt_out)
+
+
 def test_stream_exact_resume_and_two_ranks(spm_dir, vocab):
     d, _ = spm_dir
     # (world size, rank, where to cut as a share of the 2-epoch run): mid-epoch 0, and inside epoch 1
@@ -243,9 +250,7 @@ def test_stream_exact_resume_and_two_ranks(spm_dir, vocab):
         b = ShardStream(d, **kw)
         b.load_state_dict(state)
         rest = list(b)
-        assert len(head) + len(rest) == len(ref)
-        for x, y in zip(head + rest, ref):
-            assert torch.equal(x.src, y.src) and torch.equal(x.tgt_in, y.tgt_in) and torch.equal(x.tgt_out, y.tgt_out)
+        assert_same_batches(head + rest, ref)
     # 2 ranks: equal batch counts, together every example exactly once; the plan does not depend on
     # whether token lengths come from the lengths file or from tokenizing every slot
     per_rank, counts = [], []
@@ -355,9 +360,7 @@ def test_loader_workers_tokenize_and_resume_exactly(spm_dir, vocab):
     b = ShardLoader(d, **kw)
     b.load_state_dict(state)
     rest = list(b)
-    assert len(head) + len(rest) == len(ref)
-    for x, y in zip(head + rest, ref):
-        assert torch.equal(x.src, y.src) and torch.equal(x.tgt_in, y.tgt_in) and torch.equal(x.tgt_out, y.tgt_out)
+    assert_same_batches(head + rest, ref)
     assert int(min(x.src[:, 0].min() for x in ref)) >= vocab.lang_offset
     rows = Counter(r for x in ref for r in decoded_rows(x, vocab))
     assert rows == Counter((e.src_lang, e.tgt_lang, e.src.decode(), e.tgt.decode()) for e in read_split(d, "train"))

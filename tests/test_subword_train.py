@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import deepspeed_cmd, launcher_env, run
+from conftest import two_rank_training
 from scaletrain import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
@@ -151,16 +151,7 @@ def test_subword_checkpoint_through_evaluate_translate_and_average(spm_shards, t
 @pytest.mark.slow
 def test_subword_cg_two_ranks_deepspeed_launcher(spm_shards, tmp_path):
     out = tmp_path / "run"
-    out.mkdir()
-    args = [str(out), "subword_cg", f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON]
-    run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
-    res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == 10
-    assert res[0]["train_loss"][-1][1] < res[0]["train_loss"][0][1]
-    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
-    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
-    model, cfg, vocab, state, ckpt = load_for_inference(out)
+    model, cfg, vocab, state = two_rank_training(
+        out, "subword_cg", f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON, tmp_path=tmp_path)
     assert cfg.model.embedding == "charaware" and state["world_size"] == 2 and isinstance(vocab, SubwordVocab)
-    loaded = model.state_dict()
-    assert all(torch.equal(loaded[k], p0[k]) for k in p0)
     check_decoding(model, vocab, valid_examples(spm_shards))
