@@ -112,7 +112,12 @@ def test_subword_recipes_train_save_load_decode(recipe, spm_shards, tmp_path, is
     assert len(tr.texts) == len(exs) and all(isinstance(t, str) for t in tr.texts)
     assert tr.texts == [vocab.decode(t) for t in tr.tokens]
 
-    # the tokenizer file in the checkpoint is checked
+    # the tokenizer file in the checkpoint is checked: a record that does not match the file ...
+    (ckpt_dir / "vocab.json").write_text(json.dumps({**meta, "sha256": "0" * 64}))
+    with pytest.raises(Exception, match="sha256"):
+        load_for_inference(out)
+    (ckpt_dir / "vocab.json").write_text(json.dumps(meta))
+    # ... and a file that is not a SentencePiece model
     (ckpt_dir / meta["file"]).write_bytes(b"not a sentencepiece model")
     with pytest.raises(Exception, match="sha256|SentencePiece|sentencepiece"):
         load_for_inference(out)
