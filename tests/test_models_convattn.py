@@ -186,15 +186,18 @@ def test_delta_zero_single_identity_expert_equals_plain_attention():
     torch.testing.assert_close(real(attn(x, ctx), tokens), real(plain_copy(attn)(x, ctx), tokens), atol=1e-6, rtol=0)
 
 
-def test_all_experts_with_zero_router_average_uniformly():
+@pytest.mark.parametrize("dispatch", ["dense", "routed"])
+def test_all_experts_with_zero_router_average_uniformly(dispatch):
     ex = experts(kernels=(0, 1, 3, 5), top_k=4)
+    ex.dispatch = dispatch
     with torch.no_grad():
         ex.router.weight.zero_()
     z, pad = z_and_pads()
     out = ex(z, pad, None, None)
-    zz = z.masked_fill(pad[None, :, None, :, None], 0.0)
+    pad5 = pad[None, :, None, :, None]
+    zz = z.masked_fill(pad5, 0.0)
     conv = ex.conv_outputs(zz.reshape(-1, 9, DH)).view(3, 2, H, 9, 3, DH)
-    expected = (zz + conv.sum(-2)) / 4
+    expected = ((zz + conv.sum(-2)) / 4).masked_fill(pad5, 0.0)  # pad rows are 0 on both paths
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
@@ -216,21 +219,24 @@ def test_lid_router_input_is_head_slice_of_raw_source_tag_embedding():
     c = cfg(arch="moce", conv_kernels=[0, 1, 3], moce_lid=True)
     m = build_model(c, V).eval()
     attn = m.encoder_layers[0].self_attn
-    router = attn.variant.router
-    assert router.in_features == 2 * DH
+    ex = attn.variant
+    assert ex.router.in_features == 2 * DH
     seen = {}
-    router.register_forward_hook(lambda mod, inp, out: seen.update(r=inp[0]))
+    ex.register_forward_hook(lambda mod, inp, out: seen.update(z=inp[0], lid=inp[2]))
     tokens, x = tokens_and_x()
     attn(x, ctx_for(tokens, m.embeddings))
-    r = seen["r"]  # [3, B, H, T, 2*DH]
+    z, lid = seen["z"], seen["lid"]  # [3, B, H, T, DH], [B, H, DH]
     raw = m.embeddings.weight[tokens[:, 0]]  # unscaled row of the source tag, no position
     for h in range(H):
-        expected = raw[:, h * DH : (h + 1) * DH][None, :, None, :].expand(3, -1, 10, -1)
-        torch.testing.assert_close(r[:, :, h, :, DH:], expected)
+        torch.testing.assert_close(lid[:, h], raw[:, h * DH : (h + 1) * DH])
     # the query part is the scaled query (fidelity: routed after the Dh^-1/2 scaling)
     q = attn.split(attn.q_proj(x)) * DH**-0.5
     keep = tokens.ne(PAD)
-    torch.testing.assert_close(r[0, :, :, :, :DH].transpose(1, 2)[keep], q.transpose(1, 2)[keep])
+    torch.testing.assert_close(z[0].transpose(1, 2)[keep], q.transpose(1, 2)[keep])
+    # the router's logits are W_r [z; lid] with lid repeated at every position (split product)
+    lid5 = lid[None, :, :, None, :]
+    cat = torch.cat([z, lid5.expand(*z.shape[:-1], DH)], -1)
+    torch.testing.assert_close(ex.router_logits(z, lid5), ex.router(cat), atol=1e-6, rtol=1e-6)
 
 
 def test_lid_changes_routing_not_expert_outputs():
@@ -317,11 +323,13 @@ def test_moce_router_and_convs_get_gradients_and_no_aux_loss():
     assert m.last_aux_loss is None
 
 
+@pytest.mark.parametrize("dispatch", ["dense", "routed"])
 @pytest.mark.parametrize("kernels,top_k", [((0, 1, 3, 5, 7), 2), ((3, 0, 1, 0, 5), 3), ((1, 3), 1), ((0, 0), 2)])
-def test_gathered_topk_mixture_equals_dense_mixture_with_gradients(kernels, top_k):
-    """The fast path (one conv, gather the k picked outputs, identity added directly) computes
-    sum_e route(z)_e * expert_e(z) exactly, in any expert order, forward and backward."""
+def test_gathered_topk_mixture_equals_dense_mixture_with_gradients(kernels, top_k, dispatch):
+    """Both fast paths (one conv + gather of the k picked outputs; or only the routed slots
+    computed) give sum_e route(z)_e * expert_e(z) at real rows, in any expert order, forward and backward."""
     ex = experts(kernels=kernels, top_k=top_k)
+    ex.dispatch = dispatch
     with torch.no_grad():
         torch.nn.init.normal_(ex.router.weight, std=2.0)
     z, pad = z_and_pads()
@@ -340,10 +348,104 @@ def test_gathered_topk_mixture_equals_dense_mixture_with_gradients(kernels, top_
         else:
             parts.append(conv[..., j, :])
             j += 1
-    expected = torch.einsum("...e,...ed->...d", w, torch.stack(parts, -2))
+    expected = torch.einsum("...e,...ed->...d", w, torch.stack(parts, -2)).masked_fill(pad[None, :, None, :, None], 0.0)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [z1, *ex.parameters()], g)
     grads_ref = torch.autograd.grad(expected, [z2, *ex.parameters()], g)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---- routed (CPU) vs dense expert evaluation --------------------------------------------------
+def _grads_both_paths(ex, z, pad, lid, lang, dtype):
+    ex = ex.to(dtype)
+    res = {}
+    g = torch.randn(z.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    for dispatch in ("dense", "routed"):
+        ex.dispatch = dispatch
+        zi = z.to(dtype).clone().requires_grad_()
+        li = None if lid is None else lid.to(dtype).clone().requires_grad_()
+        out = ex(zi, pad, li, lang)
+        inputs = [zi, *ex.parameters()] + ([li] if li is not None else [])
+        res[dispatch] = [out, *torch.autograd.grad(out, inputs, g)]
+    return res
+
+
+@pytest.mark.parametrize("kernels,top_k,lid", [((0, 1, 3, 5, 7, 9), 2, False), ((0, 1, 3, 5, 7, 9), 2, True),
+                                               ((5, 0, 1, 0, 3), 3, False), ((0,), 2, False), ((9, 1), 1, False)])
+def test_routed_path_equals_dense_path_in_float64(kernels, top_k, lid):
+    """Outputs and every gradient (input, conv weights and biases, router, lid) of the CPU routed
+    path equal the dense one-conv path: longer sequences than the widest kernel, left and right
+    padding, a fully padded row, and routing that uses every expert."""
+    ex = experts(kernels=kernels, top_k=top_k, lid=lid)
+    with torch.no_grad():
+        torch.nn.init.normal_(ex.router.weight, std=2.0)
+    z, _ = z_and_pads(seed=3, B=3, T=23)
+    pad = torch.zeros(3, 23, dtype=torch.bool)
+    pad[0, 15:] = True
+    pad[1, :4] = True  # left padding (the reference pads the source on the left)
+    lid_t = torch.randn(3, H, DH) if lid else None
+    res = _grads_both_paths(ex, z, pad, lid_t, torch.tensor([0, 1, 1]), torch.float64)
+    dense, routed = res["dense"], res["routed"]
+    def at(t, mask):  # [3, B, H, T, ...] -> rows of the (b, t) positions in mask
+        return t.transpose(2, 3)[:, mask]
+
+    assert (at(routed[0], ~pad) != 0).any() and (at(routed[0], pad) == 0).all()
+    for a, b in zip(dense, routed):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)
+    # the gradient reaching z at pad positions is 0 on both paths (pads are zeroed before the experts)
+    assert (at(routed[1], pad) == 0).all()
+    if len(ex.conv_kernels) > 0:
+        used = (ex.route_topk(z.double().masked_fill(pad[None, :, None, :, None], 0.0),
+                                 None if lid_t is None else lid_t.double()[None, :, :, None, :])[1])
+        used = set(at(used, ~pad).unique().tolist())
+        assert len(used) == len(kernels)  # every expert took part, so every weight gradient was compared
+
+
+def test_routed_path_equals_dense_path_in_bfloat16():
+    ex = experts(kernels=(0, 1, 3, 5, 7, 9), top_k=2)
+    z, pad = z_and_pads(seed=4, B=2, T=17)
+    res = _grads_both_paths(ex, z, pad, None, None, torch.bfloat16)
+    for a, b in zip(res["dense"], res["routed"]):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a.float(), atol=0.05, rtol=0.05)
+
+
+def test_cpu_default_is_the_routed_path_and_kernels_torch_keeps_the_dense_one(monkeypatch):
+    from scaletrain.models import kernels as kernel_impl
+    from scaletrain.models import moce_routed
+
+    calls = []
+    real_apply = moce_routed.RoutedExperts.apply
+    monkeypatch.setattr(moce_routed.RoutedExperts, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    ex = experts(kernels=(0, 1, 3), top_k=2)
+    z, pad = z_and_pads()
+    ex(z, pad, None, None)
+    assert calls == [1]
+    kernel_impl.configure("torch")
+    try:
+        ex(z, pad, None, None)
+    finally:
+        kernel_impl.configure("auto")
+    assert calls == [1]
+
+
+def test_moce_model_training_step_is_the_same_on_both_paths():
+    """A whole MoCE(+lid) model: loss and every parameter gradient agree between the paths."""
+    torch.manual_seed(0)
+    m = build_model(cfg(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], moce_lid=True), V).double().train()
+    tokens, _ = tokens_and_x()
+    tgt = torch.randint(4, 260, (3, 6), generator=torch.Generator().manual_seed(1))
+    ex = m.encoder_layers[0].self_attn.variant
+    res = {}
+    for dispatch in ("dense", "routed"):
+        ex.dispatch = dispatch
+        torch.manual_seed(7)  # dropout 0 here, but keep any randomness aligned
+        loss = m(tokens, tgt).log_softmax(-1)[..., 5].mean()
+        res[dispatch] = [loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)]
+    for a, b in zip(res["dense"], res["routed"]):
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)

@@ -11,7 +11,8 @@ through the core's ``encoder_self_attn`` factory. Extra weights live under ``.va
 
 Intended behaviour, not the reference's bugs: pad positions are zeroed before every convolution
 (sentence edges act as zero padding, so outputs do not depend on the batch), top-k is clamped to
-the number of experts, there is no host sync and no Python randomness in routing.
+the number of experts, there is no Python randomness in routing, and no host sync on accelerators
+(the CPU path reads per-expert counts on the host, where that costs nothing).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.models import kernels as kernel_impl
 from scaletrain.models.config import ModelConfig
+from scaletrain.models.moce_routed import routed_experts
 from scaletrain.models.registry import register_model
 from scaletrain.models.transformer import EncoderContext, SelfAttention, Transformer
 from scaletrain.vocab import LANG_OFFSET, PAD
@@ -129,8 +132,9 @@ class MSHAAttention(SelfAttention):
 class MoCEExperts(nn.Module):
     """Expert bank {identity, Conv1d(Dh->Dh, k)} and router, shared by all heads and by Q/K/V.
 
-    All conv experts run as ONE conv whose output channels stack the experts (kernels zero padded
-    to the largest size). Routing per (q|k|v, batch, head, position): logits = W_r z (or W_r [z; lid]),
+    Dense path (CUDA, ``model.kernels: torch``): all conv experts run as ONE conv whose output
+    channels stack the experts (kernels zero padded to the largest size). CPU path: only the routed
+    (slot, expert) pairs are computed (``scaletrain.models.moce_routed``). Routing per (q|k|v, batch, head, position): logits = W_r z (or W_r [z; lid]),
     top-k on the logits, softmax over the k selected (fp32), output = sum of the k weighted experts.
     """
 
@@ -165,18 +169,30 @@ class MoCEExperts(nn.Module):
             j += k > 0
         self.register_buffer("conv_slot", torch.tensor(slots, dtype=torch.long), persistent=False)
         self.collect_stats = True
+        self.dispatch = "auto"  # auto | dense | routed (tests pin one)
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
         """z [N, T, Dh] -> [N, T, n_conv, Dh] (one stacked conv)."""
         return self.expert_bank(z).permute(0, 3, 1, 2)
 
+    def router_logits(self, z: torch.Tensor, lid: torch.Tensor | None) -> torch.Tensor:
+        """W_r z, or W_r [z; lid] with lid broadcast over positions. The +lid product is split as
+        W_z z + W_lid lid so the lid half is computed once per (sentence, head), not per position,
+        and the concatenated [.., 2*Dh] input is never built."""
+        if lid is None:
+            return self.router(z)
+        w = self.router.weight
+        return F.linear(z, w[:, : self.head_dim]) + F.linear(lid, w[:, self.head_dim :])
+
     def route_topk(self, z: torch.Tensor, lid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing: (weights [..., k] >= 0 summing to 1, expert indices [..., k]).
         Top-k on the router logits first, then softmax over the k selected (in fp32)."""
-        r = z if lid is None else torch.cat([z, lid.expand(*z.shape[:-1], lid.shape[-1])], -1)
-        top = self.router(r).topk(self.top_k, dim=-1)
-        return torch.softmax(top.values.float(), dim=-1).to(z.dtype), top.indices
+        top = self.router_logits(z, lid).topk(self.top_k, dim=-1)  # values sorted, largest first
+        # softmax over the k selected, written out: over a last dim of 2 this is ~3x faster than
+        # torch.softmax on CPU (measured [3, 32, 8, 64, 2]: 0.52 vs 1.64 ms)
+        e = (top.values.float() - top.values[..., :1].float()).exp()
+        return (e / e.sum(-1, keepdim=True)).to(z.dtype), top.indices
 
     def route(self, z: torch.Tensor, lid: torch.Tensor | None) -> torch.Tensor:
         """Dense routing weights [..., E]: >= 0, exactly k non-zero, summing to 1."""
@@ -204,15 +220,29 @@ class MoCEExperts(nn.Module):
     def forward(self, z: torch.Tensor, pad_mask: torch.Tensor, lid: torch.Tensor | None, lang: torch.Tensor | None):
         """z [3, B, H, T, Dh] (q, k, v), pad_mask [B, T], lid [B, H, Dh] or None, lang [B] or None.
 
-        All conv experts in one conv; per (slot, position) only the top-k outputs are gathered and
-        mixed (identity picks add w * z directly): no dense [.., E] mixing, no host sync.
+        Two equivalent paths (``routed_path``): on CPU only the routed slots are computed
+        (``moce_routed``); elsewhere all conv experts run in one conv and per (slot, position) only
+        the top-k outputs are gathered and mixed (identity picks add w * z directly): no dense [.., E]
+        mixing, no host sync. Output rows at pad positions are 0.
         """
         G, B, H, T, Dh = z.shape
         N, K = G * B * H, self.top_k
-        z = z.masked_fill(pad_mask[None, :, None, :, None], 0.0)
+        # zero the pads as a multiply by a keep mask laid out [1, B, 1, T*Dh]: on CPU ~4x faster than
+        # masked_fill with a [1, B, 1, T, 1] mask (its backward too)
+        keep = (~pad_mask).to(z.dtype)[None, :, None, :, None].expand(1, B, 1, T, Dh).reshape(1, B, 1, T * Dh)
+        z = (z.reshape(G, B, H, T * Dh) * keep).view(G, B, H, T, Dh)
         lid_in = None if lid is None else lid[None, :, :, None, :]
         w, idx = self.route_topk(z, lid_in)  # [3, B, H, T, K]
+        if self.collect_stats and lang is not None:
+            with torch.no_grad():
+                dense = w.new_zeros(G, B, H, T, self.n_experts).scatter(-1, idx, w)
+            self._accumulate(dense, pad_mask, lang)
         zf = z.reshape(N, T, Dh)
+        if self.routed_path(z):
+            real = (~pad_mask)[None, :, None, :].expand(G, B, H, T)
+            out = routed_experts(zf, w.reshape(N, T, K), idx.reshape(N, T, K), real, self.kernels,
+                                 self.weights, self.biases)
+            return out.view(G, B, H, T, Dh)
         wk = w.reshape(N, T, K).transpose(1, 2)  # [N, K, T]
         ik = idx.reshape(N, T, K).transpose(1, 2)
         is_id = self.is_identity[ik]  # [N, K, T] bool
@@ -226,20 +256,23 @@ class MoCEExperts(nn.Module):
             w_id = wk.masked_fill(~is_id, 0.0).sum(1)  # [N, T]
             ident = zf.transpose(1, 2) * w_id[:, None, :]
             out = ident if out is None else out + ident
-        out = out.transpose(1, 2).reshape(G, B, H, T, Dh)
-        if self.collect_stats and lang is not None:
-            with torch.no_grad():
-                dense = w.new_zeros(G, B, H, T, self.n_experts).scatter(-1, idx, w)
-            self._accumulate(dense, pad_mask, lang)
-        return out
+        # pad rows are 0 on both paths (they are never attended to and never reach a real position)
+        return (out.transpose(1, 2).reshape(G, B, H, T * Dh) * keep).view(G, B, H, T, Dh)
+
+    def routed_path(self, z: torch.Tensor) -> bool:
+        """Evaluate only the routed slots (``moce_routed``) instead of the dense one-conv bank: on CPU
+        with ``model.kernels: auto`` (needs host-side counts, free on CPU, a device sync elsewhere)."""
+        return self.dispatch == "routed" or (self.dispatch == "auto" and z.device.type == "cpu"
+                                             and kernel_impl.current() == "auto")
 
     # ---- statistics (device-side accumulation, no host sync) ---------------------------
     @torch.no_grad()
     def _accumulate(self, weights: torch.Tensor, pad_mask: torch.Tensor, lang: torch.Tensor) -> None:
-        real = (~pad_mask).to(weights.dtype)[None, :, None, :, None]  # [1, B, 1, T, 1]
+        weights = weights.float()  # statistics in fp32 whatever the model's dtype
+        real = (~pad_mask).float()[None, :, None, :, None]  # [1, B, 1, T, 1]
         selected = (weights > 0).to(torch.float32) * real  # [3, B, H, T, E]
         per_sentence = selected.sum(dim=(0, 2, 3))  # [B, E]
-        radius = (weights.float() * self.radius.to(weights.device)).sum(-1, keepdim=True) * real
+        radius = (weights * self.radius.to(weights.device, torch.float32)).sum(-1, keepdim=True) * real
         radius_sum = radius.sum(dim=(0, 2, 3, 4))  # [B]
         tokens = real.float().sum(dim=(0, 2, 3, 4)) * weights.shape[0] * weights.shape[2]  # [B]
         if self._stats is None or self._stats["selected"].device != weights.device:

@@ -1,0 +1,117 @@
+"""MoCE expert mixture computed only where the router sends each token (CPU path).
+
+The dense formulation (``MoCEExperts.expert_bank``) runs every conv expert on every position in one
+convolution whose kernels are zero padded to the largest size: for Δ=5 that is 5 experts x 9 taps =
+45 taps per position, although the experts have 1+3+5+7+9 = 25 real taps and top-2 routing keeps at
+most two of them per (q|k|v, head, position). On CPU the convolution already runs near the GEMM
+peak, so the only way to make MoCE cheap there is to do less arithmetic: this path evaluates, for
+each expert, only the slots routed to it, on real tokens only (under balanced top-2 routing over
+6 experts, 2 x 25/6 = 8.3 taps per position instead of 45):
+
+    for expert e with kernel k:  rows routed to e  ->  their k-wide windows (one gather from the
+    zero-padded sequences)  ->  one GEMM [M_e, k*Dh] x [k*Dh, Dh] + bias  ->  weighted scatter-add.
+
+Identity experts cost one dense multiply (``out`` starts as the row's identity weight times ``z``).
+The backward is written out (weight gradient from the saved
+windows, input gradient scattered back to the window positions, routing-weight gradient
+``<dL/dy, expert output>``), so autograd does not keep a graph of the per-expert pieces.
+
+Results equal the dense formulation at real positions up to float round-off (tests check outputs
+and every gradient); at pad positions both paths return 0. The per-expert row counts are read on
+the host (``nonzero``), which is free on CPU and would be a device sync on an accelerator: CUDA
+keeps the dense one-convolution path (``MoCEExperts.forward`` chooses).
+
+Memory: the gathered windows are saved for the backward: top_k x (share of conv picks) x (mean
+picked kernel size) x the size of ``z``, about 8x for Δ=5 under balanced routing; the dense path
+keeps about as much (the stacked outputs of all conv experts and the picked pairs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class RoutedExperts(torch.autograd.Function):
+    """out[r] = sum over the top-k slots (e, w) of row r of  w * expert_e(z)[r]; 0 at pad rows.
+
+    z [R, Dh] rows = (sequence, position) with R = N * T and pads already zero; w [R, K] routing
+    weights; idx [R, K] expert indices; real [R] bool (False = pad row, never computed);
+    kernels: kernel size per expert (0 = identity); params: (weight [Dh, Dh, k], bias [Dh]) per conv
+    expert in order, flattened.
+    """
+
+    @staticmethod
+    def forward(ctx, z, w, idx, real, kernels, seq_len, *params):
+        R, Dh = z.shape
+        K = w.shape[1]
+        T, E = seq_len, len(kernels)
+        r = max(kernels) // 2
+        slot_expert = idx.masked_fill(~real[:, None], E)  # pad rows -> no expert
+        # identity experts, densely: out = (sum of the row's identity weights) * z
+        is_id = torch.tensor([k == 0 for k in kernels] + [False], device=z.device)[slot_expert]  # [R, K]
+        w_id = (w * is_id).sum(-1, keepdim=True)
+        out = z * w_id
+        flat, wf = slot_expert.view(-1), w.reshape(-1)
+        # each sequence padded by r zeros on both sides, so a window never reads a neighbour; row
+        # (n, t) sits at padded row n*(T+2r) + t + r
+        zp = F.pad(z.view(R // T, T, Dh), (0, 0, r, r)).view(-1, Dh)
+        i = torch.arange(R, device=z.device)
+        padded_row = i + (i // T) * (2 * r) + r
+        conv = [(e, k) for e, k in enumerate(kernels) if k > 0]
+        sels = [(flat == e).nonzero().squeeze(1) for e, _ in conv]  # slots routed to e (host-side count: CPU only)
+        pieces = []
+        for j, ((e, k), sel) in enumerate(zip(conv, sels)):
+            weight, bias = params[2 * j], params[2 * j + 1]
+            rows = sel // K
+            we = wf.index_select(0, sel)
+            start = padded_row.index_select(0, rows) - k // 2  # first row of the window, contiguous in zp
+            X = zp.as_strided((zp.shape[0] - k + 1, k * Dh), (Dh, 1)).index_select(0, start)  # [M, k*Dh]
+            wmat = weight.permute(2, 1, 0).reshape(k * Dh, Dh)  # [k*Dh_in, Dh_out]
+            y = torch.addmm(bias, X, wmat)
+            out.index_add_(0, rows, y * we[:, None])
+            pieces.append((k, sel, rows, we, y, X, start, wmat))
+        ctx.pieces = pieces
+        ctx.save_for_backward(z, is_id, w_id)
+        ctx.meta = (T, r, K, zp.shape)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        z, is_id, w_id = ctx.saved_tensors
+        T, r, K, zp_shape = ctx.meta
+        R, Dh = g.shape
+        g = g.contiguous()
+        gz = g * w_id
+        gw = torch.linalg.vecdot(g, z)[:, None] * is_id  # identity slots; conv slots written below
+        gw_flat = gw.view(-1)
+        gzp = g.new_zeros(zp_shape)
+        gX_buf = g.new_empty(max((p[5].numel() for p in ctx.pieces), default=0))  # reused by every expert
+        grads = []
+        for k, sel, rows, we, y, X, start, wmat in ctx.pieces:
+            gs = g.index_select(0, rows)
+            gw_flat.index_copy_(0, sel, torch.linalg.vecdot(gs, y))
+            gy = gs * we[:, None]
+            g_wmat = (gy.t() @ X).t()  # [k*Dh, Dh]; this orientation is the faster GEMM here
+            grads += [g_wmat.reshape(k, Dh, Dh).permute(2, 1, 0), gy.sum(0)]
+            gX = torch.mm(gy, wmat.t(), out=gX_buf[: X.numel()].view(X.shape))  # [M, k*Dh]
+            gzp.index_add_(0, (start[:, None] + torch.arange(k, device=g.device)).view(-1), gX.view(-1, Dh))
+        ctx.pieces = None
+        N = R // T
+        gz.view(N, T, Dh).add_(gzp.view(N, T + 2 * r, Dh)[:, r : r + T])
+        return (gz, gw, None, None, None, None, *grads)
+
+
+def routed_experts(z: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, real: torch.Tensor,
+                   kernels: list[int], weights, biases) -> torch.Tensor:
+    """z [N, T, Dh] (pads zero), w/idx [N, T, K], real [N, T] -> mixture [N, T, Dh] (0 at pads)."""
+    N, T, Dh = z.shape
+    K = w.shape[-1]
+    params = []
+    for wt, b in zip(weights, biases):
+        params += [wt.to(z.dtype), b.to(z.dtype)]
+    out = RoutedExperts.apply(
+        z.reshape(N * T, Dh), w.reshape(N * T, K), idx.reshape(N * T, K), real.reshape(N * T),
+        tuple(kernels), T, *params,
+    )
+    return out.view(N, T, Dh)
