@@ -45,6 +45,8 @@ VARIANTS: dict[str, dict] = {
     "msha": dict(arch="msha", conv_kernels=[0, 0, 1, 1, 3, 5, 7, 9], conv_layers=[0]),
     "moce_d4": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7], conv_layers=[0]),
     "moce_d5": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], conv_layers=[0]),
+    # the same model with every expert evaluated densely in one conv (the accelerator path)
+    "moce_d5_dense": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], conv_layers=[0], moce_dispatch="dense"),
     "moce_d5_lid": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], conv_layers=[0], moce_lid=True),
     "moce_d6": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9, 11], conv_layers=[0]),
 }

@@ -449,3 +449,11 @@ def test_moce_model_training_step_is_the_same_on_both_paths():
             assert b is None
             continue
         torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)
+
+
+def test_moce_dispatch_option_reaches_the_expert_bank_and_is_validated():
+    for d in ("auto", "dense", "routed"):
+        m = build_model(cfg(arch="moce", moce_dispatch=d), V)
+        assert m.encoder_layers[0].self_attn.variant.dispatch == d
+    with pytest.raises(ScaletrainError, match="model.moce_dispatch"):
+        build_model(cfg(arch="moce", moce_dispatch="sparse"), V)

@@ -41,6 +41,9 @@ class ModelConfig:
     moce_top_k: int = 2
     moce_lid: bool = False  # router also sees the source-tag embedding (tag at src position 0)
     moce_route_scaled_q: bool = True  # as the paper's code: q is scaled by d_h^-1/2 before routing/experts
+    # how the experts are evaluated (same results): auto = only the routed (slot, expert) pairs on CPU
+    # (with model.kernels auto), all experts in one conv elsewhere; dense | routed force one
+    moce_dispatch: str = "auto"
     # character-aware gated target embeddings (embedding=charaware, Renduchintala et al. 2018; needs the
     # subword pieces, see scaletrain.models.charaware). Paper values: char embeddings 50, kernels 3-6,
     # each conv's output 1/4 of the embedding size, 2 highway layers, one gate vector per type.

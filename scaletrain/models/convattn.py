@@ -169,7 +169,7 @@ class MoCEExperts(nn.Module):
             j += k > 0
         self.register_buffer("conv_slot", torch.tensor(slots, dtype=torch.long), persistent=False)
         self.collect_stats = True
-        self.dispatch = "auto"  # auto | dense | routed (tests pin one)
+        self.dispatch = "auto"  # auto | dense | routed (model.moce_dispatch)
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
@@ -316,6 +316,7 @@ class AdaMSHAAttention(SelfAttention):
         self.variant = MoCEExperts(
             cfg.conv_kernels, self.head_dim, cfg.moce_top_k, cfg.moce_lid, vocab_size - LANG_OFFSET
         )
+        self.variant.dispatch = cfg.moce_dispatch
 
     @staticmethod
     def source_tag(src: torch.Tensor) -> torch.Tensor:
@@ -396,6 +397,8 @@ def build_moce(cfg: ModelConfig, vocab_size: int) -> Transformer:
     for key in ("moce_lid", "moce_route_scaled_q"):
         if not isinstance(getattr(cfg, key), bool):
             raise ScaletrainError(f"model.{key}: must be true or false")
+    if cfg.moce_dispatch not in ("auto", "dense", "routed"):
+        raise ScaletrainError(f"model.moce_dispatch: expected auto, dense or routed, got {cfg.moce_dispatch!r}")
     if cfg.moce_lid and vocab_size <= LANG_OFFSET:
         raise ScaletrainError("model.moce_lid: needs language tags in the vocabulary (source tag at src position 0)")
     return _build(cfg, vocab_size, lambda: AdaMSHAAttention(cfg, vocab_size))

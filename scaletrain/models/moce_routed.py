@@ -51,52 +51,69 @@ class RoutedExperts(torch.autograd.Function):
         is_id = torch.tensor([k == 0 for k in kernels] + [False], device=z.device)[slot_expert]  # [R, K]
         w_id = (w * is_id).sum(-1, keepdim=True)
         out = z * w_id
-        flat, wf = slot_expert.view(-1), w.reshape(-1)
+        conv = [k for k in kernels if k > 0]
+        if not conv:
+            ctx.save_for_backward(z, is_id, w_id)
+            ctx.meta = (T, r, K, (0, Dh), [], [])
+            return out
+        # conv slots grouped by expert (host-side counts: CPU only), then everything that is not the
+        # per-expert GEMM runs once over all groups
+        flat = slot_expert.view(-1)
+        sels = [(flat == e).nonzero().squeeze(1) for e, k in enumerate(kernels) if k > 0]
+        counts = [s.numel() for s in sels]
+        sel = torch.cat(sels)
+        rows = sel // K
+        we = w.reshape(-1).index_select(0, sel)[:, None]
         # each sequence padded by r zeros on both sides, so a window never reads a neighbour; row
-        # (n, t) sits at padded row n*(T+2r) + t + r
+        # (n, t) sits at padded row n*(T+2r) + t + r, and a k-window is k*Dh contiguous values
         zp = F.pad(z.view(R // T, T, Dh), (0, 0, r, r)).view(-1, Dh)
         i = torch.arange(R, device=z.device)
-        padded_row = i + (i // T) * (2 * r) + r
-        conv = [(e, k) for e, k in enumerate(kernels) if k > 0]
-        sels = [(flat == e).nonzero().squeeze(1) for e, _ in conv]  # slots routed to e (host-side count: CPU only)
-        pieces = []
-        for j, ((e, k), sel) in enumerate(zip(conv, sels)):
+        centre = (i + (i // T) * (2 * r) + r).index_select(0, rows)
+        y = z.new_empty(sel.numel(), Dh)
+        Xs, wmats, o = [], [], 0
+        for j, (k, M) in enumerate(zip(conv, counts)):
             weight, bias = params[2 * j], params[2 * j + 1]
-            rows = sel // K
-            we = wf.index_select(0, sel)
-            start = padded_row.index_select(0, rows) - k // 2  # first row of the window, contiguous in zp
-            X = zp.as_strided((zp.shape[0] - k + 1, k * Dh), (Dh, 1)).index_select(0, start)  # [M, k*Dh]
+            X = zp.as_strided((zp.shape[0] - k + 1, k * Dh), (Dh, 1)).index_select(0, centre[o : o + M] - k // 2)
             wmat = weight.permute(2, 1, 0).reshape(k * Dh, Dh)  # [k*Dh_in, Dh_out]
-            y = torch.addmm(bias, X, wmat)
-            out.index_add_(0, rows, y * we[:, None])
-            pieces.append((k, sel, rows, we, y, X, start, wmat))
-        ctx.pieces = pieces
-        ctx.save_for_backward(z, is_id, w_id)
-        ctx.meta = (T, r, K, zp.shape)
+            torch.addmm(bias, X, wmat, out=y[o : o + M])
+            Xs.append(X)
+            wmats.append(wmat)
+            o += M
+        out.index_add_(0, rows, y * we)
+        ctx.Xs, ctx.wmats = Xs, wmats
+        ctx.save_for_backward(z, is_id, w_id, sel, rows, we, y, centre)
+        ctx.meta = (T, r, K, zp.shape, conv, counts)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        z, is_id, w_id = ctx.saved_tensors
-        T, r, K, zp_shape = ctx.meta
+        z, is_id, w_id, *conv_saved = ctx.saved_tensors
+        T, r, K, zp_shape, conv, counts = ctx.meta
         R, Dh = g.shape
         g = g.contiguous()
         gz = g * w_id
         gw = torch.linalg.vecdot(g, z)[:, None] * is_id  # identity slots; conv slots written below
-        gw_flat = gw.view(-1)
+        if not conv:
+            return (gz, gw, None, None, None, None)
+        sel, rows, we, y, centre = conv_saved
+        Xs, wmats = ctx.Xs, ctx.wmats
+        ctx.Xs = ctx.wmats = None
+        gs = g.index_select(0, rows)
+        gw.view(-1).index_copy_(0, sel, torch.linalg.vecdot(gs, y))
+        gy = gs * we
+        gX = g.new_empty(sum(X.numel() for X in Xs))  # every expert's window gradients, one scatter
+        taps = []
+        grads, o, xo = [], 0, 0
+        for k, M, X, wmat in zip(conv, counts, Xs, wmats):
+            gyk = gy[o : o + M]
+            g_wmat = (gyk.t() @ X).t()  # [k*Dh, Dh]; this orientation is the faster GEMM here
+            grads += [g_wmat.reshape(k, Dh, Dh).permute(2, 1, 0), gyk.sum(0)]
+            torch.mm(gyk, wmat.t(), out=gX[xo : xo + X.numel()].view(M, k * Dh))
+            taps.append((centre[o : o + M, None] + torch.arange(-(k // 2), k // 2 + 1, device=g.device)).view(-1))
+            o, xo = o + M, xo + X.numel()
         gzp = g.new_zeros(zp_shape)
-        gX_buf = g.new_empty(max((p[5].numel() for p in ctx.pieces), default=0))  # reused by every expert
-        grads = []
-        for k, sel, rows, we, y, X, start, wmat in ctx.pieces:
-            gs = g.index_select(0, rows)
-            gw_flat.index_copy_(0, sel, torch.linalg.vecdot(gs, y))
-            gy = gs * we[:, None]
-            g_wmat = (gy.t() @ X).t()  # [k*Dh, Dh]; this orientation is the faster GEMM here
-            grads += [g_wmat.reshape(k, Dh, Dh).permute(2, 1, 0), gy.sum(0)]
-            gX = torch.mm(gy, wmat.t(), out=gX_buf[: X.numel()].view(X.shape))  # [M, k*Dh]
-            gzp.index_add_(0, (start[:, None] + torch.arange(k, device=g.device)).view(-1), gX.view(-1, Dh))
-        ctx.pieces = None
+        gzp.index_add_(0, torch.cat(taps), gX.view(-1, Dh))
         N = R // T
         gz.view(N, T, Dh).add_(gzp.view(N, T + 2 * r, Dh)[:, r : r + T])
         return (gz, gw, None, None, None, None, *grads)
