@@ -457,3 +457,20 @@ def test_moce_dispatch_option_reaches_the_expert_bank_and_is_validated():
         assert m.encoder_layers[0].self_attn.variant.dispatch == d
     with pytest.raises(ScaletrainError, match="model.moce_dispatch"):
         build_model(cfg(arch="moce", moce_dispatch="sparse"), V)
+
+
+def test_experts_that_receive_no_slots_get_zero_gradients_on_both_paths():
+    ex = experts(kernels=(0, 1, 3, 5), top_k=2).double()
+    with torch.no_grad():  # the router only ever picks the identity (0) and kernel 5 (3)
+        ex.router.weight.zero_()
+        ex.router.weight[0, 0] = ex.router.weight[3, 0] = 5.0
+    z, pad = z_and_pads()
+    z = z.double()
+    z[..., 0] = z[..., 0].abs() + 1.0
+    res = _grads_both_paths(ex, z, pad, None, None, torch.float64)
+    assert ex.route_topk(z, None)[1].unique().tolist() == [0, 3]
+    for a, b in zip(res["dense"], res["routed"]):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)
+    grads = dict(zip([n for n, _ in ex.named_parameters()], res["routed"][2:]))
+    assert grads["weights.0"].abs().max() == 0 and grads["weights.1"].abs().max() == 0  # k=1, k=3 unused
+    assert grads["weights.2"].abs().max() > 0
