@@ -92,7 +92,11 @@ def two_rank_training(out: Path, recipe: str, *overrides: str, tmp_path: Path, s
     from scaletrain.checkpoint import load_for_inference
 
     out.mkdir(exist_ok=True)
-    run(deepspeed_cmd(2, "tests/dist_driver.py", str(out), recipe, *overrides), launcher_env(tmp_path))
+    cmd = deepspeed_cmd(2, "tests/dist_driver.py", str(out), recipe, *overrides)
+    run(cmd, launcher_env(tmp_path))
+    # DeepSpeed's per-rank shared-memory allreduce segments of this run were unlinked (RAM in /dev/shm)
+    port = cmd[cmd.index("--master_port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == steps
     assert res[0]["train_loss"][-1][1] < res[0]["train_loss"][0][1]

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import (
-    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env, own_grad_norm,
-    prepare_model,
+    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env,
+    init_deepspeed_distributed, own_grad_norm, prepare_model,
 )
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
@@ -64,10 +64,8 @@ class AccelerateEngine(Engine):
         plugin = None
         if self.mode == "deepspeed":
             ensure_dist_env()
-            import deepspeed
-
             # Accelerate would pick DeepSpeed's default backend (ccl on CPU); initialise gloo first.
-            deepspeed.init_distributed(dist_backend=backend, verbose=False)
+            init_deepspeed_distributed(backend)
             os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
             plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config)
         self.acc = Accelerator(

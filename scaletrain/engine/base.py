@@ -65,6 +65,30 @@ def ensure_dist_env() -> None:
         )
 
 
+def init_deepspeed_distributed(backend: str) -> None:
+    """``deepspeed.init_distributed``, then remove DeepSpeed's shared-memory allreduce file.
+
+    With every rank on one host, DeepSpeed's CPU backend maps a 66 MB segment per rank named
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` and never
+    unlinks it: each run leaves its segments in RAM (/dev/shm) until reboot (we found 243 of them,
+    16 GB, after a few days of test runs). Every rank maps every peer's segment inside
+    ``init_distributed``, so after a barrier the names can go; the mappings live on until exit.
+    """
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if torch.cuda.is_available() or not dist.is_initialized():
+        return
+    dist.barrier()
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank()
+    )
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:  # not all ranks local, or another DeepSpeed build
+        pass
+
+
 def configure_threads(cfg) -> None:
     if not torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import (
-    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env, own_grad_norm,
-    prepare_model,
+    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env,
+    init_deepspeed_distributed, own_grad_norm, prepare_model,
 )
 from scaletrain.engine.preflight import preflight
 
@@ -26,7 +26,7 @@ class DeepSpeedEngine(Engine):
 
         self._ds = deepspeed
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        init_deepspeed_distributed(backend)
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
