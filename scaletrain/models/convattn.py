@@ -134,8 +134,9 @@ class MoCEExperts(nn.Module):
 
     Dense path (CUDA, ``model.kernels: torch``): all conv experts run as ONE conv whose output
     channels stack the experts (kernels zero padded to the largest size). CPU path: only the routed
-    (slot, expert) pairs are computed (``scaletrain.models.moce_routed``). Routing per (q|k|v, batch, head, position): logits = W_r z (or W_r [z; lid]),
-    top-k on the logits, softmax over the k selected (fp32), output = sum of the k weighted experts.
+    (slot, expert) pairs are computed (``scaletrain.models.moce_routed``). Routing per (q|k|v, batch,
+    head, position): logits = W_r z (or W_r [z; lid]), top-k on the logits, softmax over the k
+    selected (fp32), output = sum of the k weighted experts.
     """
 
     def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int):
@@ -191,7 +192,8 @@ class MoCEExperts(nn.Module):
         top = self.router_logits(z, lid).topk(self.top_k, dim=-1)  # values sorted, largest first
         # softmax over the k selected, written out: over a last dim of 2 this is ~3x faster than
         # torch.softmax on CPU (measured [3, 32, 8, 64, 2]: 0.52 vs 1.64 ms)
-        e = (top.values.float() - top.values[..., :1].float()).exp()
+        v = top.values.float()
+        e = (v - v[..., :1]).exp()
         return (e / e.sum(-1, keepdim=True)).to(z.dtype), top.indices
 
     def route(self, z: torch.Tensor, lid: torch.Tensor | None) -> torch.Tensor:
@@ -241,7 +243,7 @@ class MoCEExperts(nn.Module):
         if self.routed_path(z):
             real = (~pad_mask)[None, :, None, :].expand(G, B, H, T)
             out = routed_experts(zf, w.reshape(N, T, K), idx.reshape(N, T, K), real, self.kernels,
-                                 self.weights, self.biases)
+                                 self.is_identity, self.weights, self.biases)
             return out.view(G, B, H, T, Dh)
         wk = w.reshape(N, T, K).transpose(1, 2)  # [N, K, T]
         ik = idx.reshape(N, T, K).transpose(1, 2)
@@ -274,7 +276,7 @@ class MoCEExperts(nn.Module):
         per_sentence = selected.sum(dim=(0, 2, 3))  # [B, E]
         radius = (weights * self.radius.to(weights.device, torch.float32)).sum(-1, keepdim=True) * real
         radius_sum = radius.sum(dim=(0, 2, 3, 4))  # [B]
-        tokens = real.float().sum(dim=(0, 2, 3, 4)) * weights.shape[0] * weights.shape[2]  # [B]
+        tokens = real.sum(dim=(0, 2, 3, 4)) * weights.shape[0] * weights.shape[2]  # [B]
         if self._stats is None or self._stats["selected"].device != weights.device:
             dev = weights.device
             self._stats = {

@@ -80,6 +80,11 @@ def attention(q, k, v, mask: Optional[torch.Tensor] = None, is_causal: bool = Fa
 _LANES = 1 << 15  # 15 uniform bits per 16-bit lane
 
 
+def _lane_p(p: float) -> float:
+    """The drop probability the 15-bit lanes realise: p rounded to a multiple of 1/2^15."""
+    return int(round(p * _LANES)) / _LANES
+
+
 def keep_mask(shape, p: float, device=None) -> torch.Tensor:
     """Bool mask, each element True with probability 1 - round(p * 2^15) / 2^15, independent.
 
@@ -91,7 +96,7 @@ def keep_mask(shape, p: float, device=None) -> torch.Tensor:
         n *= s
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()
     lanes = words.view(torch.int16)[:n].bitwise_and_(_LANES - 1)
-    return lanes.ge(int(round(p * _LANES))).view(shape)
+    return lanes.ge(int(_lane_p(p) * _LANES)).view(shape)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -100,7 +105,7 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         return x
     if _mode != "auto" or x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, True)
-    q = int(round(p * _LANES)) / _LANES
+    q = _lane_p(p)
     if q >= 1.0:
         return torch.zeros_like(x)
     return x * keep_mask(x.shape, p) * (1.0 / (1.0 - q))
@@ -113,7 +118,7 @@ def residual_dropout(x: torch.Tensor, y: torch.Tensor, p: float, training: bool)
         return x + y
     if _mode != "auto" or y.device.type != "cpu" or p >= 1.0 or x.dtype != y.dtype:
         return x + F.dropout(y, p, True)
-    q = int(round(p * _LANES)) / _LANES
+    q = _lane_p(p)
     if q >= 1.0:
         return x + torch.zeros_like(y)
     return torch.addcmul(x, y, keep_mask(y.shape, p).to(y.dtype), value=1.0 / (1.0 - q))

@@ -36,19 +36,18 @@ class RoutedExperts(torch.autograd.Function):
 
     z [R, Dh] rows = (sequence, position) with R = N * T and pads already zero; w [R, K] routing
     weights; idx [R, K] expert indices; real [R] bool (False = pad row, never computed);
-    kernels: kernel size per expert (0 = identity); params: (weight [Dh, Dh, k], bias [Dh]) per conv
-    expert in order, flattened.
+    kernels: kernel size per expert (0 = identity); is_identity [E] bool (kernel 0); params: (weight
+    [Dh, Dh, k], bias [Dh]) per conv expert in order, flattened.
     """
 
     @staticmethod
-    def forward(ctx, z, w, idx, real, kernels, seq_len, *params):
+    def forward(ctx, z, w, idx, real, kernels, is_identity, seq_len, *params):
         R, Dh = z.shape
         K = w.shape[1]
         T, E = seq_len, len(kernels)
         r = max(kernels) // 2
-        slot_expert = idx.masked_fill(~real[:, None], E)  # pad rows -> no expert
         # identity experts, densely: out = (sum of the row's identity weights) * z
-        is_id = torch.tensor([k == 0 for k in kernels] + [False], device=z.device)[slot_expert]  # [R, K]
+        is_id = is_identity[idx] & real[:, None]  # [R, K]
         w_id = (w * is_id).sum(-1, keepdim=True)
         out = z * w_id
         conv = [k for k in kernels if k > 0]
@@ -58,7 +57,7 @@ class RoutedExperts(torch.autograd.Function):
             return out
         # conv slots grouped by expert (host-side counts: CPU only), then everything that is not the
         # per-expert GEMM runs once over all groups
-        flat = slot_expert.view(-1)
+        flat = idx.masked_fill(~real[:, None], E).view(-1)  # pad rows -> no expert
         sels = [(flat == e).nonzero().squeeze(1) for e, k in enumerate(kernels) if k > 0]
         counts = [s.numel() for s in sels]
         sel = torch.cat(sels)
@@ -95,7 +94,7 @@ class RoutedExperts(torch.autograd.Function):
         gz = g * w_id
         gw = torch.linalg.vecdot(g, z)[:, None] * is_id  # identity slots; conv slots written below
         if not conv:
-            return (gz, gw, None, None, None, None)
+            return (gz, gw, None, None, None, None, None)
         sel, rows, we, y, centre = conv_saved
         Xs, wmats = ctx.Xs, ctx.wmats
         ctx.Xs = ctx.wmats = None
@@ -116,12 +115,13 @@ class RoutedExperts(torch.autograd.Function):
         gzp.index_add_(0, torch.cat(taps), gX.view(-1, Dh))
         N = R // T
         gz.view(N, T, Dh).add_(gzp.view(N, T + 2 * r, Dh)[:, r : r + T])
-        return (gz, gw, None, None, None, None, *grads)
+        return (gz, gw, None, None, None, None, None, *grads)
 
 
 def routed_experts(z: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, real: torch.Tensor,
-                   kernels: list[int], weights, biases) -> torch.Tensor:
-    """z [N, T, Dh] (pads zero), w/idx [N, T, K], real [N, T] -> mixture [N, T, Dh] (0 at pads)."""
+                   kernels: list[int], is_identity: torch.Tensor, weights, biases) -> torch.Tensor:
+    """z [N, T, Dh] (pads zero), w/idx [N, T, K], real [N, T], is_identity [E] bool -> mixture
+    [N, T, Dh] (0 at pads)."""
     N, T, Dh = z.shape
     K = w.shape[-1]
     params = []
@@ -129,6 +129,6 @@ def routed_experts(z: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, real: to
         params += [wt.to(z.dtype), b.to(z.dtype)]
     out = RoutedExperts.apply(
         z.reshape(N * T, Dh), w.reshape(N * T, K), idx.reshape(N * T, K), real.reshape(N * T),
-        tuple(kernels), T, *params,
+        tuple(kernels), is_identity, T, *params,
     )
     return out.view(N, T, Dh)
