@@ -84,10 +84,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 class CheckpointManager:
-    def __init__(self, out_dir: Path, engine, keep_last: int):
+    """Writes, prunes and restores the checkpoints of one run directory.
+
+    ``save_every``: :meth:`maybe_save` writes a checkpoint every that many steps (0 = only when forced:
+    a new best, the end of training).
+    """
+
+    def __init__(self, out_dir: Path, engine, keep_last: int, save_every: int = 0):
         self.root = Path(out_dir) / "checkpoints"
         self.engine = engine
         self.keep_last = keep_last
+        self.save_every = save_every
+
+    def maybe_save(self, step: int, contents, force: bool = False) -> Path | None:
+        """Save when ``step`` is due (or ``force``); ``contents()`` gives :meth:`save`'s keyword arguments
+        (called only when saving). Returns the checkpoint directory, or None when nothing was due."""
+        if not (force or (self.save_every and step % self.save_every == 0)):
+            return None
+        return self.save(step, **contents())
 
     def save(self, step: int, trainer_state: dict, rank_state: dict, config_yaml: str, langs: list[str],
              vocab=None) -> Path:
@@ -144,16 +158,11 @@ class CheckpointManager:
         return trainer_state, rank_state
 
 
-def _has_zero_shards(ckpt: Path) -> bool:
-    return any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")) or any(ckpt.glob("zero_pp_rank_*_model_states.pt"))
-
-
 def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of a checkpoint written by any engine, without building an engine.
 
-    Accelerate DDP / exported / averaged: model.safetensors. DeepSpeed without partitioned fp32 weights:
-    mp_rank_00_model_states.pt. ZeRO-3 (parameters partitioned over ranks) and bf16/fp16 runs (fp32
-    master weights live in the optimizer shards): consolidated with DeepSpeed's zero_to_fp32.
+    Accelerate DDP / exported / averaged: model.safetensors. DeepSpeed (any ZeRO stage, any precision):
+    consolidated by :func:`scaletrain.engine.deepspeed_driver.consolidated_weights`.
     """
     ckpt = Path(ckpt)
     st = ckpt / "model.safetensors"
@@ -161,22 +170,11 @@ def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(st))
-    ms = ckpt / "mp_rank_00_model_states.pt"
-    module: dict = {}
-    if ms.is_file():
-        sd = torch.load(ms, map_location="cpu", weights_only=False)
-        module = sd.get("module") or {}
-        tensors = [v for v in module.values() if torch.is_tensor(v) and v.is_floating_point()]
-        complete = bool(tensors) and all(v.numel() > 0 for v in tensors)
-        if complete and all(v.dtype == torch.float32 for v in tensors):
-            return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    if _has_zero_shards(ckpt):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from scaletrain.engine.deepspeed_driver import consolidated_weights
 
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        return {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in sd.items()}
-    if module:  # 16-bit weights without fp32 master shards
-        return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    sd = consolidated_weights(ckpt)
+    if sd is not None:
+        return sd
     raise ScaletrainError(
         f"{ckpt}: no model weights found (model.safetensors, mp_rank_00_model_states.pt or ZeRO shards "
         "zero_pp_rank_*); is this a checkpoint directory (OUT/checkpoints/step-N)?"

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from scaletrain.config import dump_yaml, load_config, recipe_names
-from scaletrain.engine.base import inverse_sqrt_factor
+from scaletrain.engine.optim import inverse_sqrt_factor
 from scaletrain.engine.ds_config import load_ds_config
 from scaletrain.errors import ScaletrainError
 

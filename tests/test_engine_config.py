@@ -10,7 +10,7 @@ import torch
 
 from conftest import ROOT
 from scaletrain.config import load_config
-from scaletrain.engine.base import prepare_model
+from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 

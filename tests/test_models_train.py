@@ -104,7 +104,7 @@ def test_variant_trains_saves_loads_decodes(recipe, django_shards, tmp_path, iso
     # routing statistics of the training steps (MoCE only), as the loop logged them at step 10;
     # the loop reads them with reset, and validation passes do not add to them
     langs = trainer.vocab.langs
-    metrics = trainer.last_routing
+    metrics = trainer.logger.last_routing
     if cfg.model.arch == "moce":
         check_routing_metrics(metrics, langs, cfg.model.conv_kernels)
         assert routing_metrics(trainer.engine.module, langs) == {}  # consumed by the loop

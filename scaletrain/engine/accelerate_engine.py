@@ -7,7 +7,8 @@ checked against the launcher's WORLD_SIZE: Accelerate otherwise silently runs ev
 Gradient accumulation uses ``Accelerator.accumulate`` (DDP ``no_sync`` on the micro-batches before
 the boundary, loss divided by the accumulation steps); the LR scheduler advances once per update.
 With the DeepSpeed plugin, Accelerate builds the DeepSpeed engine from our resolved ds_config and
-the micro-steps are driven exactly as in :class:`DeepSpeedEngine`, so both paths share checkpoints.
+the micro-steps are driven by the same :class:`DeepSpeedDriver` as :class:`DeepSpeedEngine`, so both
+paths share checkpoints.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.engine.base import (
-    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env,
-    init_deepspeed_distributed, own_grad_norm, prepare_model,
-)
+from scaletrain.engine.base import Engine, StepInfo
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
+from scaletrain.engine.model_prep import prepare_model
+from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 
@@ -87,7 +89,7 @@ class AccelerateEngine(Engine):
         self.local_rank = self.acc.local_process_index
         self.device = self.acc.device
         self.model = None
-        self._ds = None
+        self._ds: DeepSpeedDriver | None = None
         self._micro = 0
         self._ctx = None
 
@@ -98,10 +100,9 @@ class AccelerateEngine(Engine):
         scheduler = build_scheduler(optimizer, self.cfg)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         if self.mode == "deepspeed":
-            self._ds = self.acc.deepspeed_engine_wrapped.engine
-            e = self._ds
-            self._own_norm = not (e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization())
-            self.device = e.device if isinstance(e.device, torch.device) else torch.device(e.device)
+            # Accelerate hands DeepSpeed only its own scheduler types: ours is stepped by the driver
+            self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, scheduler=self.scheduler)
+            self.device = self._ds.device
 
     @property
     def module(self):
@@ -109,10 +110,13 @@ class AccelerateEngine(Engine):
 
     @property
     def zero_stage(self) -> int:
-        return self._ds.zero_optimization_stage() if self._ds is not None else 0
+        return self._ds.zero_stage if self._ds is not None else 0
 
     def train(self, mode: bool = True):
-        self.model.train(mode)
+        if self._ds is not None:
+            self._ds.train(mode)
+        else:
+            self.model.train(mode)
 
     def forward(self, src, tgt_in):
         if self._ds is None and self.model.training and torch.is_grad_enabled():
@@ -126,8 +130,6 @@ class AccelerateEngine(Engine):
     def backward(self, loss):
         if self._ds is not None:
             self._ds.backward(loss)
-            if not self._ds.is_gradient_accumulation_boundary():
-                self._ds.step()  # DeepSpeed counts micro-steps; it only updates at the boundary
             return
         try:
             self.acc.backward(loss)  # divides by gradient_accumulation_steps
@@ -139,16 +141,7 @@ class AccelerateEngine(Engine):
     def step(self) -> StepInfo:
         clip = float(self.cfg.optim.clip_norm)
         if self._ds is not None:
-            before = int(getattr(self._ds, "skipped_steps", 0) or 0)
-            own = own_grad_norm(self._ds.module.parameters()) if self._own_norm else None
-            self._ds.step()
-            norm = own if own is not None else self._ds.get_global_grad_norm()
-            norm = float(norm) if norm is not None else float("nan")
-            skipped = int(getattr(self._ds, "skipped_steps", 0) or 0) > before
-            if not skipped:
-                # Accelerate hands DeepSpeed only its own scheduler types; ours is stepped here, once per update
-                self.scheduler.step()
-            return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+            return self._ds.step()
         if not self.acc.sync_gradients:
             raise RuntimeError(
                 f"step() before the accumulation boundary: call forward/backward engine.grad_accum="
@@ -169,16 +162,19 @@ class AccelerateEngine(Engine):
     @property
     def lr(self) -> float:
         if self._ds is not None:
-            return float(self._ds.get_lr()[0])
+            return self._ds.lr
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def autocast(self):
-        return self.acc.autocast()
+    def partitioned(self) -> bool:
+        return self._ds is not None and self._ds.partitioned()
+
+    def full_state_dict(self):
+        return self._ds.full_state_dict() if self._ds is not None else super().full_state_dict()
 
     # ------------------------------------------------------------------------------
     def save(self, ckpt_dir: Path, tag: str) -> None:
         if self._ds is not None:
-            self._ds.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+            self._ds.save(ckpt_dir, tag)
             if self.is_main:  # the LR schedule is ours, not DeepSpeed's (see step())
                 torch.save(self.scheduler.state_dict(), Path(ckpt_dir) / tag / "scheduler.pt")
             return
@@ -187,11 +183,7 @@ class AccelerateEngine(Engine):
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         if self._ds is not None:
-            path, _ = self._ds.load_checkpoint(
-                str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
-            if path is None:
-                raise ScaletrainError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
+            self._ds.load(ckpt_dir, tag)
             sched = Path(ckpt_dir) / tag / "scheduler.pt"
             if not sched.is_file():
                 raise ScaletrainError(f"{sched} missing: this checkpoint was not written by the Accelerate DeepSpeed engine")

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.engine.base import (
-    Engine, StepInfo, build_optimizer, build_scheduler, configure_threads, ensure_dist_env,
-    init_deepspeed_distributed, own_grad_norm, prepare_model,
-)
+from scaletrain.engine.base import Engine, StepInfo
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
+from scaletrain.engine.model_prep import prepare_model
+from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
 
 
@@ -30,13 +31,12 @@ class DeepSpeedEngine(Engine):
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        acc = get_accelerator()
-        if acc.device_name() == "cuda":
+        if get_accelerator().device_name() == "cuda":
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
-        self._engine = None
+        self.driver: DeepSpeedDriver | None = None
 
     def setup(self, model):
         model = prepare_model(model, self.cfg)
@@ -46,59 +46,41 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             dist_init_required=False,
         )
-        self._engine = engine
-        # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the
-        # plain fp32 path it clips but discards the norm, so we measure it ourselves there.
-        self._own_norm = not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
-        self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+        self.driver = DeepSpeedDriver(engine)
+        self.device = self.driver.device
 
     @property
     def module(self):
-        return self._engine.module
+        return self.driver.module
 
     @property
     def zero_stage(self) -> int:
-        return self._engine.zero_optimization_stage()
+        return self.driver.zero_stage
 
     def train(self, mode: bool = True):
-        self._engine.train(mode)
+        self.driver.train(mode)
 
     def forward(self, src, tgt_in):
-        return self._engine(src, tgt_in)
+        return self.driver.forward(src, tgt_in)
 
     def backward(self, loss):
-        self._engine.backward(loss)
-        if not self._engine.is_gradient_accumulation_boundary():
-            self._engine.step()  # DeepSpeed counts micro-steps; it only updates at the boundary
+        self.driver.backward(loss)
 
     def step(self) -> StepInfo:
-        overflow_before = self._skipped()
-        own = None
-        if self._own_norm:
-            own = own_grad_norm(self._engine.module.parameters())
-        self._engine.step()
-        norm = own if own is not None else self._engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
-        return StepInfo(grad_norm=norm, lr=self.lr, skipped=self._skipped() > overflow_before)
-
-    def _skipped(self) -> int:
-        return int(getattr(self._engine, "skipped_steps", 0) or 0)
+        return self.driver.step()
 
     @property
     def lr(self) -> float:
-        return float(self._engine.get_lr()[0])
+        return self.driver.lr
 
-    @property
-    def precision_dtype(self) -> torch.dtype:
-        p = self.cfg.engine.precision
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(p, torch.float32)
+    def partitioned(self) -> bool:
+        return self.driver.partitioned()
+
+    def full_state_dict(self):
+        return self.driver.full_state_dict()
 
     def save(self, ckpt_dir: Path, tag: str) -> None:
-        self._engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+        self.driver.save(ckpt_dir, tag)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
-        path, _ = self._engine.load_checkpoint(
-            str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
+        self.driver.load(ckpt_dir, tag)

@@ -1,0 +1,137 @@
+"""Everything that touches a ``deepspeed.DeepSpeedEngine``, shared by both of our engines.
+
+:class:`DeepSpeedEngine` (the native launcher) and :class:`AccelerateEngine` with the DeepSpeed
+plugin both end up holding a DeepSpeed engine; the micro-step protocol, the update, the gradient
+norm, ZeRO-3 parameter gathering and checkpoint I/O are written once here. Code outside
+``scaletrain/engine/`` never asks about ZeRO: it calls ``Engine.inference_module()`` and
+``Engine.full_state_dict()``, and :func:`consolidated_weights` reads DeepSpeed's checkpoint files.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scaletrain.engine.base import StepInfo
+from scaletrain.engine.optim import own_grad_norm
+from scaletrain.errors import ScaletrainError
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """True if DeepSpeed ZeRO-3 partitions this module's parameters (a rank holds only a slice)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+class DeepSpeedDriver:
+    """Drives one DeepSpeed engine: micro-steps, update, grad norm, ZeRO-3 gathers, checkpoints.
+
+    ``scheduler``: an LR scheduler DeepSpeed does not own (Accelerate hands DeepSpeed only its own
+    scheduler types); it is stepped here once per update that was not skipped.
+    """
+
+    def __init__(self, ds_engine, scheduler=None):
+        self.e = ds_engine
+        self.scheduler = scheduler
+        # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the
+        # plain fp32 path it clips but discards the norm, so we measure it ourselves there.
+        e = ds_engine
+        self.own_norm = not (e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization())
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.e.module
+
+    @property
+    def device(self) -> torch.device:
+        d = self.e.device
+        return d if isinstance(d, torch.device) else torch.device(d)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.e.zero_optimization_stage()
+
+    def train(self, mode: bool) -> None:
+        self.e.train(mode)
+
+    def forward(self, src, tgt_in):
+        return self.e(src, tgt_in)
+
+    def backward(self, loss) -> None:
+        self.e.backward(loss)
+        if not self.e.is_gradient_accumulation_boundary():
+            self.e.step()  # DeepSpeed counts micro-steps; it only updates at the boundary
+
+    def _skipped(self) -> int:
+        return int(getattr(self.e, "skipped_steps", 0) or 0)
+
+    def step(self) -> StepInfo:
+        before = self._skipped()
+        own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
+        self.e.step()
+        norm = own if own is not None else self.e.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        skipped = self._skipped() > before
+        if self.scheduler is not None and not skipped:
+            self.scheduler.step()
+        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+
+    @property
+    def lr(self) -> float:
+        return float(self.e.get_lr()[0])
+
+    def partitioned(self) -> bool:
+        return is_partitioned(self.e.module)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters on every rank (ZeRO-3 partitions gathered), fp32 on CPU. Collective."""
+        import deepspeed
+
+        mod = self.e.module
+        if not self.partitioned():
+            return {k: v.detach().float().cpu().clone() for k, v in mod.state_dict().items()}
+        with deepspeed.zero.GatheredParameters(list(mod.parameters()), modifier_rank=None):
+            keys = set(mod.state_dict(keep_vars=True))
+            named = dict(mod.named_parameters()) | dict(mod.named_buffers())
+            return {k: v.detach().float().cpu().clone() for k, v in named.items() if k in keys}
+
+    def save(self, ckpt_dir: Path, tag: str) -> None:
+        self.e.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise ScaletrainError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed checkpoint files, read without an engine (evaluate, translate, average, export)
+
+def has_zero_shards(ckpt: Path) -> bool:
+    return any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")) or any(ckpt.glob("zero_pp_rank_*_model_states.pt"))
+
+
+def consolidated_weights(ckpt: Path) -> dict[str, torch.Tensor] | None:
+    """The full fp32 model state dict of a DeepSpeed checkpoint directory; None if it is not one.
+
+    Without partitioned fp32 weights: ``mp_rank_00_model_states.pt``. ZeRO-3 (parameters partitioned over
+    ranks) and bf16/fp16 runs (fp32 master weights live in the optimizer shards): consolidated with
+    DeepSpeed's ``zero_to_fp32``. 16-bit weights without fp32 master shards are upcast.
+    """
+    ms = ckpt / "mp_rank_00_model_states.pt"
+    module: dict = {}
+    if ms.is_file():
+        sd = torch.load(ms, map_location="cpu", weights_only=False)
+        module = sd.get("module") or {}
+        tensors = [v for v in module.values() if torch.is_tensor(v) and v.is_floating_point()]
+        complete = bool(tensors) and all(v.numel() > 0 for v in tensors)
+        if complete and all(v.dtype == torch.float32 for v in tensors):
+            return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    if has_zero_shards(ckpt):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        return {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in sd.items()}
+    if module:  # 16-bit weights without fp32 master shards
+        return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    return None

@@ -1,0 +1,42 @@
+"""Optimizer and LR schedule, built the same way by every engine (so checkpoints and runs agree)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inverse_sqrt_factor(lr: float, warmup: int, warmup_init_lr: float):
+    """LambdaLR factor so that update number k (1-based) runs at fairseq's lr(k).
+
+    lr(k) = init + (lr - init) * k / warmup for k < warmup, lr * sqrt(warmup / k) after.
+    """
+
+    def f(i: int) -> float:  # i = number of scheduler.step() calls so far = updates done
+        k = i + 1
+        if warmup > 0 and k < warmup:
+            return (warmup_init_lr + (lr - warmup_init_lr) * k / warmup) / lr
+        return math.sqrt(max(warmup, 1) / k)
+
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    if getattr(o, "fused", True) and fusable:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    return torch.optim.AdamW(params, **kw)
+
+
+def build_scheduler(optimizer, cfg):
+    o = cfg.optim
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_factor(o.lr, o.warmup_steps, o.warmup_init_lr))
+
+
+def own_grad_norm(params) -> float:
+    """Global L2 norm of the gradients of ``params`` (for the paths where DeepSpeed does not report it)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0

@@ -1,0 +1,205 @@
+"""The one training loop. Engine-agnostic: DeepSpeed or Accelerate behind `scaletrain.engine.Engine`.
+
+:meth:`Trainer.fit` is a short orchestration over components (``scaletrain/train/components.py``):
+the train step and the NMT unit (``unit.py``), the step logger, the evaluator, the early stopper and
+``CheckpointManager.maybe_save``. Every counter lives in one :class:`TrainState` (``state.py``) that
+each checkpoint saves, so a resumed job continues its counters, its validation history, its best
+checkpoint, its MLflow run and its wall-clock budget.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.config import Config, dump_yaml, flatten, to_dict
+from scaletrain.data.shards import load_manifest
+from scaletrain.data.stream import ShardLoader
+from scaletrain.engine import Engine, build_engine
+from scaletrain.models import build_model, count_parameters
+from scaletrain.train.baseline import unigram_nll
+from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
+from scaletrain.train.state import TimeBudget, TrainClock, TrainState
+from scaletrain.train.unit import TranslationUnit, train_step
+from scaletrain.vocab import load_vocab
+
+log = logging.getLogger("scaletrain")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    valid_nll: list[tuple[int, float]]  # (step, nats per target token)
+    train_loss: list[tuple[int, float]]  # (step, label-smoothed loss per target token) at each log line
+    unigram_nll: float
+    train_seconds: float  # training-loop wall time of the whole job (all sessions)
+    run_id: str | None
+    out_dir: str
+    final_checkpoint: str
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """``engine``: an Engine to train with (default: built from ``cfg.engine``). ``stream``: optional batch
+    source replacing the shard stream (an iterable of Batch with ``state_dict()``/``load_state_dict()``),
+    e.g. a fixed replay in equivalence tests."""
+
+    def __init__(self, cfg: Config, engine: Engine | None = None, stream=None):
+        self.cfg = cfg
+        seed_everything(cfg.train.seed)
+        self.engine = eng = engine if engine is not None else build_engine(cfg)
+        self.manifest = load_manifest(cfg.data.shards)
+        self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
+                                vocab_size=cfg.data.spm_vocab_size)
+        torch.manual_seed(cfg.train.seed)  # same init on every rank
+        model = self.build_model()
+        self.param_counts = count_parameters(model)
+        eng.setup(model)
+        self.stream = stream if stream is not None else ShardLoader(
+            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=cfg.data.num_workers,
+            seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
+            buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
+        )
+        self.out_dir = cfg.out_dir
+        tc = cfg.train
+        self.state = TrainState()
+        self.clock = TrainClock(self.state)
+        self.budget = TimeBudget(tc.max_minutes, self.state)
+        self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every)
+        self.tracker = self._make_tracker()
+        self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
+        self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker)
+        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
+        self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces())
+
+    # ------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        st, eng = self.state, self.engine
+        self._resume()
+        self._start_tracking()
+        baseline = self._baseline()
+        if self.cfg.train.valid_every and st.step == 0:
+            self.evaluator.validation_loss()  # the start of the validation curve
+        batches = iter(self.stream)
+        eng.train(True)
+        self.clock.start()
+        self.logger.start()
+        while st.step < self.cfg.train.max_steps:
+            micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
+            out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded())
+            if out is None:  # the wall-clock budget is spent (all ranks agree)
+                break
+            st.step += 1
+            st.skipped_steps += int(out.info.skipped)
+            st.tokens_seen += out.global_tokens
+            st.examples_seen += out.examples
+            self.clock.tick()
+            self.logger.after_step(out)
+            decision = self.stopper.update(self.evaluator.after_step())
+            saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save)
+            self.stopper.keep(saved, decision)
+            if decision.stop:
+                break
+        return self._finish(baseline)
+
+    def _finish(self, baseline: float) -> TrainResult:
+        st = self.state
+        if not st.valid_history or st.valid_history[-1][0] != st.step:
+            self.evaluator.validation_loss()
+        final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
+        if self.engine.is_main:
+            self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
+            self.tracker.flush()
+        return TrainResult(
+            steps=st.step, tokens=st.tokens_seen, valid_nll=list(st.valid_history),
+            train_loss=list(self.logger.loss_history), unigram_nll=baseline, train_seconds=st.train_seconds,
+            run_id=st.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final),
+        )
+
+    # ------------------------------------------------------------------------------
+    def _checkpoint_contents(self) -> dict:
+        trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
+        return dict(trainer_state=trainer_state, rank_state={"stream": self.stream.state_dict()},
+                    config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+
+    def save(self) -> Path:
+        return self.ckpt.maybe_save(self.state.step, self._checkpoint_contents, force=True)
+
+    def _resume(self) -> None:
+        if not self.cfg.train.resume:
+            return
+        tag = self.ckpt.latest()
+        if tag is None:
+            return
+        trainer_state, rank_state = self.ckpt.load(tag)
+        self.state.load_state_dict(trainer_state)
+        self.stopper.restore()
+        self.stream.load_state_dict(rank_state["stream"])
+        if self.engine.is_main:
+            log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
+
+    def _make_tracker(self):
+        from scaletrain.tracking import Tracker
+
+        t, eng = self.cfg.tracking, self.engine
+        return Tracker(uri=t.uri or None, experiment=t.experiment, run_name=t.run_name or self.cfg.name,
+                       is_main=eng.is_main and t.enabled, project_dir=Path.cwd())
+
+    def _start_tracking(self) -> None:
+        from scaletrain.tracking import broadcast_run_id
+
+        cfg, eng, resumed = self.cfg, self.engine, self.state.run_id
+        run_id = None
+        if eng.is_main and cfg.tracking.enabled:
+            if resumed:
+                run_id = self.tracker.resume(resumed)
+            else:
+                params = flatten(to_dict(cfg))
+                params.update({"world_size": eng.world_size, "vocab_size": self.vocab.size})
+                params.update({f"params.{k}": v for k, v in self.param_counts.items()})
+                run_id = self.tracker.start(params, tags={"recipe": cfg.name})
+                self.tracker.log_text(dump_yaml(cfg), "config.yaml")
+        self.state.run_id = broadcast_run_id(run_id, eng.is_main)
+
+    def _baseline(self) -> float:
+        cfg, eng = self.cfg, self.engine
+        base_nll = unigram_nll(cfg.data.shards, vocab=self.vocab) if eng.is_main else 0.0
+        base_nll = eng.broadcast_object(base_nll)
+        if eng.is_main:
+            n_params = self.param_counts.get("total", 0)
+            log.info("training %s: %d ranks on %s, %s params, %s, target-unigram valid nll %.3f",
+                     cfg.name, eng.world_size, eng.device, f"{n_params:,}", cfg.engine.precision, base_nll)
+            self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.state.step)
+        return base_nll
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.tracker.end(status)
+
+
+def train(cfg: Config) -> TrainResult:
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.fit()
+    except BaseException:
+        trainer.close("FAILED")
+        raise
+    trainer.close("FINISHED")
+    if trainer.engine.is_main:
+        summary = Path(result.out_dir) / "train_summary.json"
+        summary.write_text(json.dumps(result.__dict__, indent=2))
+    return result

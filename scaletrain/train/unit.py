@@ -1,0 +1,81 @@
+"""The NMT-specific part of training that the generic loop calls (fairseq2's ``TrainUnit``).
+
+The loop knows micro-batches, engines and counters; this unit knows that a batch is a translation
+batch: its loss (label-smoothed cross-entropy, summed; normalised by the loop) and the model's routing
+statistics (MoCE expert shares per language, mean radius).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scaletrain.engine import Engine, StepInfo
+from scaletrain.models.loss import label_smoothed_ce
+from scaletrain.models.stats import routing_metrics
+
+
+class TranslationUnit:
+    def __init__(self, engine: Engine, label_smoothing: float, pad: int, langs: list[str]):
+        self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
+
+    def loss(self, batch):
+        """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device."""
+        logits = self.engine.forward(batch.src, batch.tgt_in)
+        return label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing, ignore_index=self.pad)
+
+    def routing(self, reset: bool = False) -> dict[str, float]:
+        """The model's routing statistics since the last reset (empty for models without routing)."""
+        return routing_metrics(self.engine.module, self.langs, reset=reset)
+
+
+@dataclass
+class StepOutput:
+    info: StepInfo
+    global_tokens: int  # target tokens of the step, all ranks
+    loss_sum: float  # this rank's sums over its micro-batches
+    nll_sum: float
+    ntok: int
+    examples: int
+
+
+def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool) -> StepOutput | None:
+    """One update over ``micro`` (grad_accum batches). None when any rank voted to stop (all agree).
+
+    Loss normalisation: the target tokens of the whole step (all ranks, all micro-batches) are
+    all-reduced first, and each micro-batch's summed loss is scaled so that, after the engine's averaging
+    over ranks and accumulation steps, the gradient is d(sum of losses)/d(theta) / (global target tokens).
+    """
+    local_tok = sum(b.n_tgt_tokens for b in micro)
+    g_tok, g_stop = engine.all_reduce_sum([local_tok, 1.0 if stop_vote else 0.0])
+    if g_stop > 0:
+        return None
+    scale = engine.world_size * len(micro) / g_tok
+    loss_acc = nll_acc = 0.0
+    ntok_acc = examples = 0
+    for b in micro:
+        b = b.to(engine.device)
+        loss_sum, nll_sum, ntok = unit.loss(b)
+        engine.backward(loss_sum * scale)
+        loss_acc += float(loss_sum.detach())
+        nll_acc += float(nll_sum.detach())
+        ntok_acc += int(ntok)
+        examples += b.size
+    return StepOutput(engine.step(), int(g_tok), loss_acc, nll_acc, ntok_acc, examples)
+
+
+@torch.no_grad()
+def validation_loss(engine: Engine, unit: TranslationUnit, batches, max_batches: int) -> float:
+    """Mean nll per target token over at most ``max_batches`` of ``batches`` on every rank (collective)."""
+    engine.train(False)
+    nll, n = 0.0, 0
+    for i, batch in enumerate(batches):
+        if i >= max_batches:
+            break
+        _, nll_sum, ntok = unit.loss(batch.to(engine.device))
+        nll += float(nll_sum)
+        n += int(ntok)
+    tot_nll, tot_n = engine.all_reduce_sum([nll, n])
+    unit.routing(reset=True)  # routing statistics describe training batches only
+    engine.train(True)
+    return tot_nll / max(tot_n, 1)
