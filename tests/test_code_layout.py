@@ -1,0 +1,77 @@
+"""The shape of the code base itself: short functions, no hidden globals, self-contained docs.
+
+These rules come from the layout issue: ``Trainer.fit`` and every other function stay readable (about
+80 lines at most), nothing hands state to builders through context variables, nothing the project
+ships points at files outside the repository, and README's layout table names paths that exist.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "scaletrain"
+MAX_FUNCTION_LINES = 80
+
+
+def _sources():
+    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_function_is_longer_than_the_limit():
+    long = []
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "functions longer than %d lines:\n%s" % (MAX_FUNCTION_LINES, "\n".join(long))
+
+
+def test_no_context_variables_or_process_global_modes():
+    found = [f"{p.relative_to(ROOT)}" for p in _sources() if "ContextVar" in p.read_text()]
+    assert not found, f"ContextVar used in {found}: pass what builders need as arguments"
+
+
+def test_nothing_points_outside_the_repository():
+    pattern = re.compile(r"\.\./shared|shared/reference|shared/papers|shared/DESIGN")
+    files = [*_sources(), *PKG.rglob("*.yaml"), ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
+             *(ROOT / "benchmarks").rglob("*.py"), ROOT / "launch.sh"]
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+           if pattern.search(line)]
+    assert not bad, f"references to files outside the repository: {bad}"
+
+
+def test_every_models_md_citation_names_the_projects_own_doc():
+    assert (ROOT / "docs" / "MODELS.md").is_file()
+    bad = []
+    for p in [*_sources(), *PKG.rglob("*.yaml"), *(ROOT / "tests").rglob("*.py")]:
+        if p.resolve() == Path(__file__).resolve():
+            continue
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if "MODELS.md" in line and "docs/MODELS.md" not in line:
+                bad.append(f"{p.relative_to(ROOT)}:{i}")
+    assert not bad, f"MODELS.md cited without its path docs/MODELS.md: {bad}"
+
+
+def test_readme_layout_table_matches_the_tree():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    paths = re.findall(r"^\| `([^`]+)`", section, flags=re.M)
+    assert paths, "README has no layout table"
+    named = set()
+    for cell in re.findall(r"^\| (.+?) \|", section, flags=re.M):
+        for p in re.findall(r"`([^`]+)`", cell):
+            named.add(p)
+            if "*" in p:
+                assert list(ROOT.glob(p)), f"README layout: {p} matches nothing"
+            elif p not in ("shards/",):  # generated, never committed
+                assert (ROOT / p).exists(), f"README layout names {p}, which does not exist"
+    # every top-level part of the package is in the table
+    for child in sorted(PKG.iterdir()):
+        if child.name.startswith("__") or child.suffix not in ("", ".py") or child.name == "recipes":
+            continue
+        rel = f"scaletrain/{child.name}" + ("/" if child.is_dir() else "")
+        assert any(n == rel or n.startswith(rel) for n in named), f"README layout table does not mention {rel}"
