@@ -29,7 +29,6 @@ shards prepared with ``--keep-invalid-utf8``) is encoded as U+FFFD.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import os
@@ -39,6 +38,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import atomic_write_bytes, replace_synced, sha256_bytes, sha256_file, temp_path
 from scaletrain.vocab import BOS, EOS, PAD, SPECIALS, UNK, DecodeResult, LanguageTags, _decode_counting
 
 SPM_TYPE = "spm"
@@ -79,7 +79,7 @@ class SubwordVocab(LanguageTags):
                 raise ScaletrainError(f"cannot read the SentencePiece model {model_path}: {e}") from None
         self.model_path = None if model_path is None else Path(model_path)
         self.num_threads = int(num_threads)
-        self.sha256 = hashlib.sha256(model_proto).hexdigest()
+        self.sha256 = sha256_bytes(model_proto)
         self._proto = bytes(model_proto)
         sp = _spm().SentencePieceProcessor()
         try:
@@ -216,7 +216,7 @@ def find_spm_model(shard_dir: str | Path, vocab_size: int = 0) -> Path:
     """Path of the SentencePiece model recorded in ``shard_dir``'s manifest (checked by sha256).
 
     ``vocab_size`` picks one when the directory has several (0 = the only one)."""
-    from scaletrain.data.shards import file_sha256, load_manifest
+    from scaletrain.data.shards import load_manifest
 
     m = load_manifest(shard_dir)
     found = spm_entries(m)
@@ -245,7 +245,7 @@ def find_spm_model(shard_dir: str | Path, vocab_size: int = 0) -> Path:
     if not path.is_file():
         raise ScaletrainError(f"{path}: listed in the manifest but missing; re-create it with "
                               f"`scaletrain data spm {shard_dir} --vocab-size {entry['vocab_size']}`")
-    if file_sha256(path) != entry["sha256"]:
+    if sha256_file(path) != entry["sha256"]:
         raise ScaletrainError(f"{path}: sha256 differs from the manifest (corrupt or replaced); re-create it with "
                               f"`scaletrain data spm {shard_dir} --vocab-size {entry['vocab_size']} --overwrite`")
     return path
@@ -363,7 +363,7 @@ def write_token_lengths(shard_dir: str | Path, manifest, vocab: "SubwordVocab", 
     [n, 2] array in manifest order (``spm<N>.<split>.lengths.npy``, written through a memory map
     and renamed: constant memory). The stream plans every slot's batches from it, so a rank
     tokenizes only its own examples. Returns the manifest record {file, sha256, n, dtype}."""
-    from scaletrain.data.shards import file_sha256, read_block
+    from scaletrain.data.shards import read_block
 
     shard_dir = Path(shard_dir)
     info = manifest.split(split)
@@ -375,7 +375,7 @@ def write_token_lengths(shard_dir: str | Path, manifest, vocab: "SubwordVocab", 
                 longest = max(longest, int(h.src_len.max()), int(h.tgt_len.max()))
     dtype = np.uint16 if longest + 1 < 65536 else np.uint32
     name = lengths_file_name(vocab.spm_size, split)
-    tmp = shard_dir / f".{name}.tmp-{os.getpid()}"
+    tmp = temp_path(shard_dir / name)
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(info.n_examples, 2))
     bar = None
     if progress:
@@ -400,10 +400,8 @@ def write_token_lengths(shard_dir: str | Path, manifest, vocab: "SubwordVocab", 
         bar.close()
     out.flush()
     del out
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, shard_dir / name)
-    return {"file": name, "sha256": file_sha256(shard_dir / name), "n": info.n_examples, "dtype": np.dtype(dtype).name}
+    replace_synced(tmp, shard_dir / name)
+    return {"file": name, "sha256": sha256_file(shard_dir / name), "n": info.n_examples, "dtype": np.dtype(dtype).name}
 
 
 def load_token_lengths(shard_dir: str | Path, manifest, vocab: "SubwordVocab", split: str):
@@ -442,7 +440,7 @@ def add_spm_model(shard_dir: str | Path, vocab_size: int, *, max_sentences: int 
     Then every split is tokenized once to store its token lengths (``write_token_lengths``, with
     ``encode_threads`` threads; 0 = the CPU count). An existing entry of the same size is kept as it
     is (returned) unless ``overwrite``; then the model is retrained and replaced."""
-    from scaletrain.data.shards import atomic_write_bytes, file_sha256, load_manifest, write_manifest
+    from scaletrain.data.shards import load_manifest, write_manifest
 
     shard_dir = Path(shard_dir)
     m = load_manifest(shard_dir)
@@ -450,7 +448,7 @@ def add_spm_model(shard_dir: str | Path, vocab_size: int, *, max_sentences: int 
     old = [t for t in spm_entries(m) if int(t.get("vocab_size", -1)) == vocab_size]
     if old and not overwrite:
         p = shard_dir / old[0]["file"]
-        if p.is_file() and file_sha256(p) == old[0]["sha256"]:
+        if p.is_file() and sha256_file(p) == old[0]["sha256"]:
             return old[0]
     encode_threads = encode_threads or (os.cpu_count() or 1)
     sentences = iter_train_sentences(shard_dir, max_sentences, seed)
@@ -467,7 +465,7 @@ def add_spm_model(shard_dir: str | Path, vocab_size: int, *, max_sentences: int 
         "type": SPM_TYPE,
         "file": name,
         "vocab_size": vocab_size,
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "sha256": sha256_bytes(data),
         "params": {"model_type": "bpe", "byte_fallback": True, "character_coverage": character_coverage,
                    "normalization": "identity", "split": "train", "max_sentences": max_sentences, "seed": seed,
                    "num_threads": num_threads},

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.shards import file_sha256, load_manifest, read_block
+from scaletrain.data.shards import load_manifest, read_block
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import sha256_file as file_sha256
 
 PERCENTILES = (50, 90, 99, 100)
 

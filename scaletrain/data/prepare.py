@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from scaletrain.data.batch import Example
+from scaletrain.data.example import Example
 from scaletrain.data.gettext import PIVOT, check_fracs, read_gettext, split_of
 from scaletrain.data.opus import opus100_corpora
 from scaletrain.data.prepare_args import DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401 (re-exported)
@@ -24,8 +24,6 @@ from scaletrain.data.shards import (
     ShardInfo,
     SplitInfo,
     SplitWriter,
-    atomic_write_bytes,
-    file_sha256,
     load_manifest,
     prepare_out_dir,
     shard_name,
@@ -45,6 +43,7 @@ from scaletrain.data.text import (
     tsv_languages,
 )
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import atomic_write_bytes, sha256_file
 
 GETTEXT_SHARD_SIZE = 2048  # examples per shard: the bundled django train set gives >= 4 train shards
 GETTEXT_BLOCK_SIZE = 256  # examples per block
@@ -225,7 +224,7 @@ def _record_if_complete(out: Path, task: dict) -> dict | None:
         return rec
     f = out / sh["name"]
     try:
-        if f.stat().st_size != sh["bytes"] or file_sha256(f) != sh["sha256"]:
+        if f.stat().st_size != sh["bytes"] or sha256_file(f) != sh["sha256"]:
             return None
     except OSError:
         return None
