@@ -254,13 +254,13 @@ def test_prepare_gettext_django(tmp_path):
     assert not (out / "train-000000.tar").read_bytes() == (tmp_path / "again" / "train-000000.tar").read_bytes()
 
 
-TORCH_FREE = ("scaletrain.fileio", "scaletrain.data.example", "scaletrain.data.shards", "scaletrain.vocab",
-              "scaletrain.data.prepare")
+TORCH_FREE = ("scaletrain.fileio", "scaletrain.data.example", "scaletrain.data.shards", "scaletrain.data.spm_models",
+              "scaletrain.vocab", "scaletrain.data.spm_train", "scaletrain.data.prepare")
 
 
 def test_shards_and_prepare_do_not_import_torch():
-    """Writing and reading shards (and prepare, the vocabulary) never loads torch: checked in a
-    fresh interpreter, module by module."""
+    """Writing and reading shards (and prepare, the vocabularies, SentencePiece training) never loads
+    torch: checked in a fresh interpreter, module by module."""
     script = (
         "import importlib, sys\n"
         f"for name in {TORCH_FREE!r}:\n"

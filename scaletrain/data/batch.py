@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.example import Example
-from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
+from scaletrain.vocab.base import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
 
 __all__ = ["Batch", "Example", "collate", "collate_arrays", "src_len", "tgt_len"]
 

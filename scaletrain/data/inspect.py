@@ -152,7 +152,7 @@ def verify(shard_dir: str | Path, *, checksums: bool = True) -> VerifyReport:
                                         "--overwrite`)")
         if t["type"] == "spm" and len(rep.problems) == n_problems:  # the file is the recorded one: load it
             try:
-                from scaletrain.subword import SubwordVocab
+                from scaletrain.vocab import SubwordVocab
 
                 if SubwordVocab(m.languages, path).spm_size != int(t["vocab_size"]):
                     rep.problems.append(f"{path}: holds a different number of pieces than the manifest's "

@@ -29,6 +29,7 @@ from scaletrain.data.shards import (
     shard_name,
     write_manifest,
 )
+from scaletrain.data.spm_train import add_spm_model, check_spm_args
 from scaletrain.data.text import (
     FILTER_REASONS,
     KEPT_NOTES,
@@ -457,8 +458,6 @@ def prepare_from_args(args) -> int:
         raise ScaletrainError(f"--source {source} needs --out DIR")
     progress = not getattr(args, "no_progress", False)
     if getattr(args, "spm_vocab_size", 0):
-        from scaletrain.subword import check_spm_args
-
         check_spm_args(args.spm_vocab_size, args.spm_sentences, args.spm_character_coverage, args.spm_threads,
                        prefix="--spm-")
     langs = _split_langs(args.langs)
@@ -488,8 +487,6 @@ def prepare_from_args(args) -> int:
                 kw["languages"] = order_languages(langs)
             m = prepare_parallel(corpora, out, source=src, **kw)
     if getattr(args, "spm_vocab_size", 0):
-        from scaletrain.subword import add_spm_model
-
         e = add_spm_model(out, args.spm_vocab_size, max_sentences=args.spm_sentences,
                           character_coverage=args.spm_character_coverage, num_threads=args.spm_threads,
                           progress=progress)  # a complete --resume keeps its recorded model

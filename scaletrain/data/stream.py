@@ -40,7 +40,7 @@ tokenized once per window (SentencePiece batch encoding); everything above then 
 lengths: buckets, the budget (padded subword tokens of source and target) and truncation
 (``max_bytes`` caps tokens per side). The plan of every slot needs the token lengths of every
 slot's examples: they come from the lengths files written with the model (``spm<N>.<split>.lengths.npy``,
-see ``scaletrain.subword``), so a rank tokenizes only its own blocks (and checks them against those
+see ``scaletrain.data.spm_train``), so a rank tokenizes only its own blocks (and checks them against those
 files); without the files every slot's blocks are tokenized (correct, slower for many slots).
 Memory stays one window: the ids of the rank's own examples.
 """
@@ -53,10 +53,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from scaletrain.data.batch import Batch, Example, collate_arrays
+from scaletrain.data.batch import Batch, collate_arrays
+from scaletrain.data.example import Example
 from scaletrain.data.shards import load_manifest, read_block
+from scaletrain.data.spm_models import load_token_lengths
 from scaletrain.errors import ScaletrainError
-from scaletrain.vocab import BYTE_OFFSET, LANG_OFFSET
+from scaletrain.vocab.base import BYTE_OFFSET, LANG_OFFSET
 
 STATE_VERSION = 1
 
@@ -349,8 +351,6 @@ class ShardStream:
 
     def _load_token_lengths(self):
         """The split's per-example (source, target) token lengths [n, 2] (memory-mapped), or None."""
-        from scaletrain.subword import load_token_lengths
-
         return load_token_lengths(self.shard_dir, self.manifest, self.vocab, self.split)
 
     def _lengths(self, blocks) -> tuple[np.ndarray, np.ndarray]:
