@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from scaletrain.data.example import Example
+from scaletrain.data.example import SRC_EXTRA, TGT_EXTRA, Example
 from scaletrain.vocab.base import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
 
 __all__ = ["Batch", "Example", "collate", "collate_arrays", "src_len", "tgt_len"]
@@ -23,12 +23,12 @@ __all__ = ["Batch", "Example", "collate", "collate_arrays", "src_len", "tgt_len"
 
 def src_len(ex: Example, max_bytes: int | None = None) -> int:
     n = len(ex.src) if max_bytes is None else min(len(ex.src), max_bytes)
-    return n + 2  # tag + eos
+    return n + SRC_EXTRA  # tag + eos
 
 
 def tgt_len(ex: Example, max_bytes: int | None = None) -> int:
     n = len(ex.tgt) if max_bytes is None else min(len(ex.tgt), max_bytes)
-    return n + 1  # tag (in) / eos (out)
+    return n + TGT_EXTRA  # tag (in) / eos (out)
 
 
 @dataclass
