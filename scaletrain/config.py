@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from scaletrain.data.example import token_budget_problem
 from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import ModelConfig
 
@@ -318,8 +319,8 @@ def validate(cfg: Config) -> None:
         bad("model.n_heads", f"d_model {cfg.model.d_model} is not divisible by n_heads {cfg.model.n_heads}")
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
-    if cfg.data.max_tokens < 2 * (cfg.data.max_bytes + 2):
-        bad("data.max_tokens", f"{cfg.data.max_tokens} cannot hold one example of max_bytes {cfg.data.max_bytes}")
+    if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):
+        bad("data.max_tokens", problem)
     if cfg.data.num_workers < 0:
         bad("data.num_workers", "must be >= 0")
     if cfg.data.temperature <= 0:

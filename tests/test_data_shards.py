@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ROOT
 from scaletrain import __version__
 from scaletrain.data.batch import Example
 from scaletrain.data.gettext import split_of
@@ -248,3 +252,22 @@ def test_prepare_gettext_django(tmp_path):
     m3 = prepare_gettext(langs=["de", "ja"], out=out, overwrite=True, progress=False, shard_size=100)
     assert m3.languages == ["en", "de", "ja"] and len(m3.splits["train"].shards) > 4
     assert not (out / "train-000000.tar").read_bytes() == (tmp_path / "again" / "train-000000.tar").read_bytes()
+
+
+TORCH_FREE = ("scaletrain.fileio", "scaletrain.data.example", "scaletrain.data.shards", "scaletrain.data.spm_models",
+              "scaletrain.vocab", "scaletrain.data.spm_train", "scaletrain.data.prepare")
+
+
+def test_shards_and_prepare_do_not_import_torch():
+    """Writing and reading shards (and prepare, the vocabularies, SentencePiece training) never loads
+    torch: checked in a fresh interpreter, module by module."""
+    script = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, f'importing {name} loaded torch'\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

@@ -177,6 +177,30 @@ def test_bad_settings_are_user_errors(data):
         ShardStream(d, split="valid")
 
 
+def test_token_budget_bound_is_one_example_and_shared_with_the_config(data):
+    """``2 * max_bytes + 3`` is exactly what one truncated example costs (``Batch.padded_tokens``);
+    the stream and ``config.validate`` accept and refuse the same budgets."""
+    from scaletrain.config import Config, validate
+    from scaletrain.data.batch import collate
+    from scaletrain.data.example import max_example_tokens, token_budget_problem
+
+    d, _ = data
+    mb = 16
+    one = collate([Example(0, 1, b"s" * 40, b"t" * 40)], max_bytes=mb)
+    assert one.padded_tokens == max_example_tokens(mb) == 2 * mb + 3
+    assert token_budget_problem(2 * mb + 3, mb) is None
+    ShardStream(d, max_tokens=2 * mb + 3, max_bytes=mb)
+    with pytest.raises(ScaletrainError, match=r"max_tokens=34 cannot hold one example of max_bytes=16 \(needs 2\*max_bytes\+3 = 35\)"):
+        ShardStream(d, max_tokens=2 * mb + 2, max_bytes=mb)
+    cfg = Config()
+    cfg.data.max_bytes, cfg.data.max_tokens = mb, 2 * mb + 3
+    validate(cfg)
+    cfg.data.max_tokens = 2 * mb + 2
+    with pytest.raises(ScaletrainError, match=r"config key 'data.max_tokens': data.max_tokens=34 cannot hold one "
+                                              r"example of data.max_bytes=16"):
+        validate(cfg)
+
+
 def test_plan_batches_and_equalise_units():
     s = np.array([5, 50, 6, 51, 7, 52])
     t = np.array([4, 40, 5, 41, 6, 42])

@@ -20,13 +20,8 @@ from scaletrain.data.inspect import verify
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.data.stream import ShardLoader, ShardStream, _pack, _unpack
 from scaletrain.errors import ScaletrainError
-from scaletrain.subword import (
-    SubwordVocab,
-    add_spm_model,
-    iter_train_sentences,
-    train_spm_bytes,
-)
-from scaletrain.vocab import BOS, EOS, LANG_OFFSET, PAD, UNK, ByteVocab, load_vocab
+from scaletrain.data.spm_train import add_spm_model, iter_train_sentences, train_spm_bytes
+from scaletrain.vocab import BOS, EOS, LANG_OFFSET, PAD, UNK, ByteVocab, SubwordVocab, load_vocab
 
 N = 600  # smallest round size that holds 4 specials + 256 bytes + the 5 test languages' characters at 0.98
 COV = 0.98

@@ -25,7 +25,8 @@ from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate_arrays
 from scaletrain.data.shards import read_split
-from scaletrain.subword import SubwordVocab, add_spm_model
+from scaletrain.data.spm_train import add_spm_model
+from scaletrain.vocab import SubwordVocab
 
 N_SPM = 600
 COMMON = [

@@ -12,7 +12,7 @@ import argparse
 def _spm(args) -> int:
     from pathlib import Path
 
-    from scaletrain.subword import add_spm_model, check_spm_args
+    from scaletrain.data.spm_train import add_spm_model, check_spm_args
 
     check_spm_args(args.vocab_size, args.sentences, args.character_coverage, args.threads)
     e = add_spm_model(args.shard_dir, args.vocab_size, max_sentences=args.sentences,

@@ -4,7 +4,8 @@ Sequence layout (right padded with PAD):
     src     = [__src__] + bytes(x) + [EOS]
     tgt_in  = [__tgt__] + bytes(y)          (the target-language tag is the decoder's start token)
     tgt_out = bytes(y) + [EOS]
-so the tag is always "forced" and never predicted or emitted.
+so the tag is always "forced" and never predicted or emitted. ``Example`` (torch-free) lives in
+``scaletrain.data.example`` and is re-exported here.
 """
 from __future__ import annotations
 
@@ -14,25 +15,20 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
+from scaletrain.data.example import SRC_EXTRA, TGT_EXTRA, Example
+from scaletrain.vocab.base import BYTE_OFFSET, EOS, LANG_OFFSET, PAD
 
-
-@dataclass(frozen=True)
-class Example:
-    src_lang: int  # index into the manifest's language list
-    tgt_lang: int
-    src: bytes  # raw UTF-8 bytes, no tags, no EOS
-    tgt: bytes
+__all__ = ["Batch", "Example", "collate", "collate_arrays", "src_len", "tgt_len"]
 
 
 def src_len(ex: Example, max_bytes: int | None = None) -> int:
     n = len(ex.src) if max_bytes is None else min(len(ex.src), max_bytes)
-    return n + 2  # tag + eos
+    return n + SRC_EXTRA  # tag + eos
 
 
 def tgt_len(ex: Example, max_bytes: int | None = None) -> int:
     n = len(ex.tgt) if max_bytes is None else min(len(ex.tgt), max_bytes)
-    return n + 1  # tag (in) / eos (out)
+    return n + TGT_EXTRA  # tag (in) / eos (out)
 
 
 @dataclass

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.shards import file_sha256, load_manifest, read_block
+from scaletrain.data.shards import load_manifest, read_block
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import sha256_file as file_sha256
 
 PERCENTILES = (50, 90, 99, 100)
 
@@ -151,7 +152,7 @@ def verify(shard_dir: str | Path, *, checksums: bool = True) -> VerifyReport:
                                         "--overwrite`)")
         if t["type"] == "spm" and len(rep.problems) == n_problems:  # the file is the recorded one: load it
             try:
-                from scaletrain.subword import SubwordVocab
+                from scaletrain.vocab import SubwordVocab
 
                 if SubwordVocab(m.languages, path).spm_size != int(t["vocab_size"]):
                     rep.problems.append(f"{path}: holds a different number of pieces than the manifest's "

@@ -7,12 +7,12 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from scaletrain.data.batch import Example
+from scaletrain.data.example import Example
 from scaletrain.data.gettext import PIVOT, check_fracs, read_gettext, split_of
 from scaletrain.data.opus import opus100_corpora
 from scaletrain.data.prepare_args import DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401 (re-exported)
@@ -24,13 +24,12 @@ from scaletrain.data.shards import (
     ShardInfo,
     SplitInfo,
     SplitWriter,
-    atomic_write_bytes,
-    file_sha256,
     load_manifest,
     prepare_out_dir,
     shard_name,
     write_manifest,
 )
+from scaletrain.data.spm_train import add_spm_model, check_spm_args
 from scaletrain.data.text import (
     FILTER_REASONS,
     KEPT_NOTES,
@@ -45,6 +44,7 @@ from scaletrain.data.text import (
     tsv_languages,
 )
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import atomic_write_bytes, sha256_file
 
 GETTEXT_SHARD_SIZE = 2048  # examples per shard: the bundled django train set gives >= 4 train shards
 GETTEXT_BLOCK_SIZE = 256  # examples per block
@@ -73,21 +73,7 @@ def prepare_gettext(
     check_fracs(valid_frac, test_frac)
     corpus = read_gettext(package, langs, locale_dir)
     languages = [PIVOT, *corpus.langs]
-    by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
-    split_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
-    for li, lang in enumerate(corpus.langs, start=1):
-        for en, xx in corpus.pairs[lang]:
-            s = split_of(en, valid_frac, test_frac, seed)
-            e, x = en.encode("utf-8"), xx.encode("utf-8")
-            by_split[s].append(Example(li, 0, x, e))
-            by_split[s].append(Example(0, li, e, x))
-            split_counts[s][lang] = split_counts[s].get(lang, 0) + 1
-    if not by_split["train"]:
-        raise ScaletrainError("no training pairs left after cleaning; choose more languages or another source")
-    rng = np.random.default_rng([seed, 0x5EED])
-    train = by_split["train"]
-    by_split["train"] = [train[i] for i in rng.permutation(len(train))]
-
+    by_split, split_counts = _gettext_splits(corpus, valid_frac, test_frac, seed)
     out = prepare_out_dir(out, overwrite)
     total = sum(len(v) for v in by_split.values())
     bar = tqdm(total=total, desc=f"prepare {out}", unit="ex", disable=not progress)
@@ -119,12 +105,33 @@ def prepare_gettext(
     return manifest
 
 
+def _gettext_splits(corpus, valid_frac: float, test_frac: float, seed: int):
+    """Both directions of every pair, by split (the English string's hash decides), the train
+    split shuffled with ``seed``; and the pairs per split and language (for the manifest)."""
+    by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
+    split_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
+    for li, lang in enumerate(corpus.langs, start=1):
+        for en, xx in corpus.pairs[lang]:
+            s = split_of(en, valid_frac, test_frac, seed)
+            e, x = en.encode("utf-8"), xx.encode("utf-8")
+            by_split[s].append(Example(li, 0, x, e))
+            by_split[s].append(Example(0, li, e, x))
+            split_counts[s][lang] = split_counts[s].get(lang, 0) + 1
+    if not by_split["train"]:
+        raise ScaletrainError("no training pairs left after cleaning; choose more languages or another source")
+    rng = np.random.default_rng([seed, 0x5EED])
+    train = by_split["train"]
+    by_split["train"] = [train[i] for i in rng.permutation(len(train))]
+    return by_split, split_counts
+
+
 # ---------------------------------------------------------------------------------------------
 # line-aligned corpora (Moses file pairs, TSV, OPUS-100): streaming, parallel, resumable
 # ---------------------------------------------------------------------------------------------
 PARALLEL_SHARD_LINES = 50_000  # input lines per shard (x2 examples with both directions)
 PARALLEL_BLOCK_SIZE = 1024
 STATE_DIR = ".prepare"  # per-shard completion records while a prepare runs; removed at the end
+PLAN_KEYS = ("corpus", "src_off", "tgt_off", "n_lines", "index")  # what plan.json records of each task
 
 
 def _vocab_order(corpora: Sequence[ParallelCorpus]) -> list[str]:
@@ -225,7 +232,7 @@ def _record_if_complete(out: Path, task: dict) -> dict | None:
         return rec
     f = out / sh["name"]
     try:
-        if f.stat().st_size != sh["bytes"] or file_sha256(f) != sh["sha256"]:
+        if f.stat().st_size != sh["bytes"] or sha256_file(f) != sh["sha256"]:
             return None
     except OSError:
         return None
@@ -262,14 +269,7 @@ def prepare_parallel(
     if shard_lines < 1 or workers < 1:
         raise ScaletrainError(f"shard_lines ({shard_lines}) and workers ({workers}) must be >= 1")
     PairFilter(max_bytes, max_ratio, keep_invalid_utf8)  # validates
-    languages = list(languages) if languages is not None else _vocab_order(corpora)
-    lang_idx = {l: i for i, l in enumerate(languages)}
-    for c in corpora:
-        for l in (() if c.lang_columns else (c.src_lang, c.tgt_lang)):
-            if l not in lang_idx:
-                raise ScaletrainError(f"corpus {c.name}: language {l!r} is not in languages {languages}")
-    if not any(c.split == "train" for c in corpora):
-        raise ScaletrainError("no train corpus given")
+    languages = _check_corpora(corpora, languages)
     out = Path(out)
     state = out / STATE_DIR
     if resume and (out / MANIFEST).is_file() and not state.exists():
@@ -278,6 +278,43 @@ def prepare_parallel(
               "shard_lines": shard_lines, "block_size": block_size}
     if keep_invalid_utf8:
         params["keep_invalid_utf8"] = True
+    _open_state_dir(out, resume, overwrite)
+    filters = {"both": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio, "block_size": block_size,
+               "keep_invalid_utf8": keep_invalid_utf8}
+    tasks = _plan_tasks(corpora, out, languages, shard_lines, filters, progress)
+    _check_plan(out, {"languages": languages, "params": params, "tasks": [{k: t[k] for k in PLAN_KEYS} for t in tasks]})
+    records = _run_tasks(out, tasks, resume, workers, progress)
+    splits, per_corpus = _assemble_splits(tasks, records)
+    total: Counter = Counter()
+    for c in per_corpus.values():
+        total.update(c)
+    cleaning = {"rules": "scaletrain.data.text.PairFilter", "total": dict(total),
+                "per_corpus": {k: dict(v) for k, v in per_corpus.items()}}
+    src = dict(source or {"type": "parallel"})
+    src["corpora"] = [asdict(c) for c in corpora]
+    manifest = Manifest(languages=languages, splits=splits, cleaning=cleaning, source=src, params=params)
+    write_manifest(out, manifest)
+    shutil.rmtree(state, ignore_errors=True)
+    return manifest
+
+
+def _check_corpora(corpora: Sequence[ParallelCorpus], languages: Sequence[str] | None) -> list[str]:
+    """The vocabulary's languages (given, or those of the corpora); every corpus language must be
+    among them and there must be a train corpus."""
+    languages = list(languages) if languages is not None else _vocab_order(corpora)
+    for c in corpora:
+        for l in (() if c.lang_columns else (c.src_lang, c.tgt_lang)):
+            if l not in languages:
+                raise ScaletrainError(f"corpus {c.name}: language {l!r} is not in languages {languages}")
+    if not any(c.split == "train" for c in corpora):
+        raise ScaletrainError("no train corpus given")
+    return languages
+
+
+def _open_state_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Start a run (an empty ``out`` with a fresh state directory) or, with ``resume``, continue the
+    interrupted one whose state directory is there (its manifest, if any, goes first)."""
+    state = out / STATE_DIR
     if not (resume and state.is_dir()):
         if state.is_dir() and not overwrite:
             raise ScaletrainError(f"{out} holds an interrupted prepare; pass resume=True (--resume) to continue it "
@@ -289,7 +326,13 @@ def prepare_parallel(
     elif (out / MANIFEST).exists():
         (out / MANIFEST).unlink()
 
-    # plan: index every corpus (one streaming pass), cut into line ranges
+
+def _plan_tasks(corpora: Sequence[ParallelCorpus], out: Path, languages: list[str], shard_lines: int,
+                filters: dict, progress: bool) -> list[dict]:
+    """Index every corpus (one streaming pass) and cut it into line ranges: one task (and at most
+    one shard) per ``shard_lines`` lines, numbered per split in corpus order. ``filters`` holds the
+    settings every task shares (both, max_bytes, max_ratio, block_size, keep_invalid_utf8)."""
+    lang_idx = {l: i for i, l in enumerate(languages)}
     tasks = []
     next_index = {s: 0 for s in SPLITS}
     for c in tqdm(corpora, desc="index corpora", unit="corpus", disable=not progress):
@@ -301,12 +344,14 @@ def prepare_parallel(
                 "corpus": asdict(c), "src_idx": lang_idx.get(c.src_lang, -1), "tgt_idx": lang_idx.get(c.tgt_lang, -1),
                 "src_off": so, "tgt_off": to, "n_lines": min(shard_lines, n - k * shard_lines),
                 "index": i, "split_key": shard_name(c.split, i)[:-4], "out": str(out), "languages": languages,
-                "both": both_directions, "max_bytes": max_bytes, "max_ratio": max_ratio, "block_size": block_size,
-                "keep_invalid_utf8": keep_invalid_utf8, "first_line": k * shard_lines,
+                **filters, "first_line": k * shard_lines,
             })
-    plan_keys = ("corpus", "src_off", "tgt_off", "n_lines", "index")
-    plan = {"languages": languages, "params": params, "tasks": [{k: t[k] for k in plan_keys} for t in tasks]}
-    plan_path = state / "plan.json"
+    return tasks
+
+
+def _check_plan(out: Path, plan: dict) -> None:
+    """Write the run's plan to the state directory, or check that an interrupted run had the same one."""
+    plan_path = out / STATE_DIR / "plan.json"
     if plan_path.is_file():
         if json.loads(plan_path.read_text()) != json.loads(json.dumps(plan)):
             raise ScaletrainError(f"{out}: the interrupted prepare used other inputs or settings; "
@@ -314,8 +359,11 @@ def prepare_parallel(
     else:
         atomic_write_bytes(plan_path, json.dumps(plan).encode())
 
-    # completion records, with the shard entry held as a ShardInfo (block tables as arrays: the
-    # main process stays small however many shards there are)
+
+def _run_tasks(out: Path, tasks: list[dict], resume: bool, workers: int, progress: bool) -> dict[str, dict]:
+    """Run every task not already complete (``resume``), in ``workers`` processes; returns the
+    completion records by split key, each shard entry held as a ShardInfo (block tables as arrays:
+    the main process stays small however many shards there are)."""
     records: dict[str, dict] = {}
 
     def keep(rec: dict) -> dict:
@@ -337,19 +385,28 @@ def prepare_parallel(
         for t in todo:
             bar.update(keep(_run_task(t))["counters"]["lines"])
     else:
-        with ProcessPoolExecutor(max_workers=workers) as ex:
-            pending = {ex.submit(_run_task, t) for t in todo[: 2 * workers]}
-            queue = iter(todo[2 * workers:])
-            while pending:  # a bounded number of tasks in flight: no future holds a result for long
-                done = next(as_completed(pending))
-                pending.remove(done)
-                bar.update(keep(done.result())["counters"]["lines"])
-                t = next(queue, None)
-                if t is not None:
-                    pending.add(ex.submit(_run_task, t))
+        for rec in _run_in_pool(todo, workers):
+            bar.update(keep(rec)["counters"]["lines"])
     bar.close()
+    return records
 
-    # assemble the manifest in shard order
+
+def _run_in_pool(todo: list[dict], workers: int) -> Iterator[dict]:
+    """Completion records of ``todo`` run in ``workers`` processes, as they finish."""
+    with ProcessPoolExecutor(max_workers=workers) as ex:
+        pending = {ex.submit(_run_task, t) for t in todo[: 2 * workers]}
+        queue = iter(todo[2 * workers:])
+        while pending:  # a bounded number of tasks in flight: no future holds a result for long
+            done = next(as_completed(pending))
+            pending.remove(done)
+            yield done.result()
+            t = next(queue, None)
+            if t is not None:
+                pending.add(ex.submit(_run_task, t))
+
+
+def _assemble_splits(tasks: list[dict], records: dict[str, dict]) -> tuple[dict[str, SplitInfo], dict[str, Counter]]:
+    """The manifest's splits in shard order, and the filter counters summed per corpus."""
     splits: dict[str, SplitInfo] = {}
     per_corpus: dict[str, Counter] = {}
     for t in tasks:
@@ -370,17 +427,7 @@ def prepare_parallel(
         si.directions = dict(sorted(si.directions.items()))
     if "train" not in splits or not splits["train"].shards:
         raise ScaletrainError("no training pairs left after filtering; check the corpus files and filters")
-    total: Counter = Counter()
-    for c in per_corpus.values():
-        total.update(c)
-    cleaning = {"rules": "scaletrain.data.text.PairFilter", "total": dict(total),
-                "per_corpus": {k: dict(v) for k, v in per_corpus.items()}}
-    src = dict(source or {"type": "parallel"})
-    src["corpora"] = [asdict(c) for c in corpora]
-    manifest = Manifest(languages=languages, splits=splits, cleaning=cleaning, source=src, params=params)
-    write_manifest(out, manifest)
-    shutil.rmtree(state, ignore_errors=True)
-    return manifest
+    return splits, per_corpus
 
 
 def prepare_opus100(root: str | Path, out: str | Path, *, langs: Sequence[str] | None = None, **kwargs) -> Manifest:
@@ -458,8 +505,6 @@ def prepare_from_args(args) -> int:
         raise ScaletrainError(f"--source {source} needs --out DIR")
     progress = not getattr(args, "no_progress", False)
     if getattr(args, "spm_vocab_size", 0):
-        from scaletrain.subword import check_spm_args
-
         check_spm_args(args.spm_vocab_size, args.spm_sentences, args.spm_character_coverage, args.spm_threads,
                        prefix="--spm-")
     langs = _split_langs(args.langs)
@@ -489,8 +534,6 @@ def prepare_from_args(args) -> int:
                 kw["languages"] = order_languages(langs)
             m = prepare_parallel(corpora, out, source=src, **kw)
     if getattr(args, "spm_vocab_size", 0):
-        from scaletrain.subword import add_spm_model
-
         e = add_spm_model(out, args.spm_vocab_size, max_sentences=args.spm_sentences,
                           character_coverage=args.spm_character_coverage, num_threads=args.spm_threads,
                           progress=progress)  # a complete --resume keeps its recorded model

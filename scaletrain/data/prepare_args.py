@@ -62,7 +62,7 @@ def add_prepare_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-SPM_SENTENCES = 2_000_000  # = scaletrain.subword.DEFAULT_SENTENCES
+SPM_SENTENCES = 2_000_000  # = scaletrain.data.spm_train.DEFAULT_SENTENCES
 SPM_COVERAGE = 0.9995
 SPM_THREADS = 4
 

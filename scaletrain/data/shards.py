@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
-import os
 import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,8 +38,9 @@ from typing import Iterable, Iterator, Sequence, overload
 import numpy as np
 
 import scaletrain
-from scaletrain.data.batch import Example
+from scaletrain.data.example import Example
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import atomic_write_bytes, sha256_bytes
 
 BLOCK_MAGIC = b"STPB"
 BLOCK_VERSION = 1
@@ -365,7 +364,7 @@ class Manifest:
     source: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
     # models trained on the shards and stored beside them, e.g. {"type": "spm", "file": "spm8000.model",
-    # "vocab_size": 8000, "sha256": ..., "params": {...}} (see scaletrain.subword); omitted when empty
+    # "vocab_size": 8000, "sha256": ..., "params": {...}} (see scaletrain.data.spm_models); omitted when empty
     tokenizers: list = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     scaletrain_version: str = scaletrain.__version__
@@ -453,15 +452,6 @@ def load_manifest(shard_dir: str | Path) -> Manifest:
     m = Manifest.from_dict(d, str(path))
     m.root = Path(shard_dir)
     return m
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_manifest(shard_dir: str | Path, manifest: Manifest) -> None:
@@ -576,7 +566,7 @@ class SplitWriter:
         atomic_write_bytes(self.out / name, raw)
         blocks = BlockTable(name[: -len(".tar")], [off for _, off, _ in info], [size for _, _, size in info],
                             [n for _, _, n in self._members])
-        sh = ShardInfo(name, hashlib.sha256(raw).hexdigest(), len(raw), self._shard_n, len(blocks), blocks)
+        sh = ShardInfo(name, sha256_bytes(raw), len(raw), self._shard_n, len(blocks), blocks)
         self.shards.append(sh)
         self._members = []
         self._shard_n = 0
@@ -659,11 +649,3 @@ def read_split(shard_dir: str | Path, split: str) -> list[Example]:
         for b in sh.blocks:
             out.extend(read_block(shard_dir, sh, b).examples())
     return out
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -33,14 +33,14 @@ DataLoader workers (``ShardLoader``): each (rank, worker) is one slot of a strea
 ``world_size * num_workers`` slots; the state records every worker's position, so resume is exact.
 
 Examples longer than ``max_bytes`` are truncated by ``collate`` (never dropped); ``max_tokens``
-must fit one such example: ``max_tokens >= 2 * max_bytes + 3``.
+must fit one such example: ``max_tokens >= 2 * max_bytes + 3`` (``data.example.token_budget_problem``).
 
 Subword baseline (``vocab=SubwordVocab``): the shards keep raw UTF-8 and each slot's examples are
 tokenized once per window (SentencePiece batch encoding); everything above then runs on TOKEN
 lengths: buckets, the budget (padded subword tokens of source and target) and truncation
 (``max_bytes`` caps tokens per side). The plan of every slot needs the token lengths of every
 slot's examples: they come from the lengths files written with the model (``spm<N>.<split>.lengths.npy``,
-see ``scaletrain.subword``), so a rank tokenizes only its own blocks (and checks them against those
+see ``scaletrain.data.spm_train``), so a rank tokenizes only its own blocks (and checks them against those
 files); without the files every slot's blocks are tokenized (correct, slower for many slots).
 Memory stays one window: the ids of the rank's own examples.
 """
@@ -53,10 +53,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from scaletrain.data.batch import Batch, Example, collate_arrays
+from scaletrain.data.batch import Batch, collate_arrays
+from scaletrain.data.example import Example, token_budget_problem
 from scaletrain.data.shards import load_manifest, read_block
+from scaletrain.data.spm_models import load_token_lengths
 from scaletrain.errors import ScaletrainError
-from scaletrain.vocab import BYTE_OFFSET, LANG_OFFSET
+from scaletrain.vocab.base import BYTE_OFFSET, LANG_OFFSET
 
 STATE_VERSION = 1
 
@@ -221,6 +223,24 @@ class _WindowPlan:
         return self.pools[slot].collate(idx, max_bytes)
 
 
+def _check_stream_args(rank: int, world_size: int, max_tokens: int, max_bytes: int, buffer_size: int,
+                       temperature: float, epochs: int | None) -> None:
+    """Reject ``ShardStream`` settings that cannot work, before any file is read."""
+    if world_size < 1 or not (0 <= rank < world_size):
+        raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
+    if max_bytes < 1:
+        raise ScaletrainError(f"max_bytes must be >= 1 (got {max_bytes})")
+    problem = token_budget_problem(max_tokens, max_bytes)
+    if problem:
+        raise ScaletrainError(problem)
+    if buffer_size < 1:
+        raise ScaletrainError(f"buffer_size (blocks per rank and window) must be >= 1 (got {buffer_size})")
+    if not temperature > 0:
+        raise ScaletrainError(f"temperature must be > 0 (got {temperature}); 1 = natural proportions")
+    if epochs is not None and epochs < 0:
+        raise ScaletrainError(f"epochs must be >= 0 or None (got {epochs})")
+
+
 class ShardStream:
     """Iterable of ``Batch`` over one split of a shard directory; see the module doc."""
 
@@ -241,21 +261,7 @@ class ShardStream:
         temperature: float = 1.0,
         vocab=None,
     ):
-        if world_size < 1 or not (0 <= rank < world_size):
-            raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
-        if max_bytes < 1:
-            raise ScaletrainError(f"max_bytes must be >= 1 (got {max_bytes})")
-        if max_tokens < 2 * max_bytes + 3:
-            raise ScaletrainError(
-                f"max_tokens={max_tokens} cannot hold one example of max_bytes={max_bytes} "
-                f"(needs 2*max_bytes+3 = {2 * max_bytes + 3}); raise max_tokens or lower max_bytes"
-            )
-        if buffer_size < 1:
-            raise ScaletrainError(f"buffer_size (blocks per rank and window) must be >= 1 (got {buffer_size})")
-        if not temperature > 0:
-            raise ScaletrainError(f"temperature must be > 0 (got {temperature}); 1 = natural proportions")
-        if epochs is not None and epochs < 0:
-            raise ScaletrainError(f"epochs must be >= 0 or None (got {epochs})")
+        _check_stream_args(rank, world_size, max_tokens, max_bytes, buffer_size, temperature, epochs)
         self.shard_dir = Path(shard_dir)
         self.manifest = load_manifest(shard_dir)
         self.split = split
@@ -349,8 +355,6 @@ class ShardStream:
 
     def _load_token_lengths(self):
         """The split's per-example (source, target) token lengths [n, 2] (memory-mapped), or None."""
-        from scaletrain.subword import load_token_lengths
-
         return load_token_lengths(self.shard_dir, self.manifest, self.vocab, self.split)
 
     def _lengths(self, blocks) -> tuple[np.ndarray, np.ndarray]:
