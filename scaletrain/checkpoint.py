@@ -27,17 +27,9 @@ import numpy as np
 import torch
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import atomic_write_text
 
 TAG_RE = re.compile(r"^step-(\d+)$")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict:
@@ -219,7 +211,7 @@ def load_checkpoint_vocab(ckpt: Path, langs: list[str]):
         raise ScaletrainError(f"{meta}: unreadable vocabulary record ({type(e).__name__}: {e})") from None
     if kind != "spm":
         raise ScaletrainError(f"{meta}: unknown vocabulary kind {kind!r} (this scaletrain knows byte and spm)")
-    from scaletrain.subword import SubwordVocab
+    from scaletrain.vocab import SubwordVocab
 
     path = Path(ckpt) / file
     if not path.is_file():
