@@ -413,7 +413,6 @@ def test_routed_path_equals_dense_path_in_bfloat16():
 
 
 def test_cpu_default_is_the_routed_path_and_kernels_torch_keeps_the_dense_one(monkeypatch):
-    from scaletrain.models import kernels as kernel_impl
     from scaletrain.models import moce_routed
 
     calls = []
@@ -423,11 +422,8 @@ def test_cpu_default_is_the_routed_path_and_kernels_torch_keeps_the_dense_one(mo
     z, pad = z_and_pads()
     ex(z, pad, None, None)
     assert calls == [1]
-    kernel_impl.configure("torch")
-    try:
-        ex(z, pad, None, None)
-    finally:
-        kernel_impl.configure("auto")
+    ex.kernel_mode = "torch"  # model.kernels: torch
+    ex(z, pad, None, None)
     assert calls == [1]
 
 

@@ -15,7 +15,6 @@ from typing import Optional, Sequence
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.models import kernels
 from scaletrain.models.config import ModelConfig
 from scaletrain.models.registry import available_models, check_config, register_model
 from scaletrain.models.transformer import (
@@ -89,7 +88,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str
         pieces = _check_pieces(vocab_size, pieces)
     else:
         pieces = None
-    kernels.configure(cfg.kernels)
     token = _BUILD_PIECES.set(pieces)
     try:
         return registry._REGISTRY[cfg.arch](cfg, vocab_size)

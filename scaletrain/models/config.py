@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+KERNEL_MODES = ("auto", "torch")  # model.kernels, see scaletrain.models.kernels
+
 
 @dataclass
 class ModelConfig:
@@ -20,7 +22,8 @@ class ModelConfig:
     max_positions: int = 1024
     share_embeddings: bool = True  # tie encoder/decoder input embeddings and output projection
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
-    # auto: faster attention backward / dropout masks on CPU (see scaletrain.models.kernels); torch: stock ops
+    # auto: faster attention backward / dropout masks on CPU (see scaletrain.models.kernels); torch: stock
+    # ops. Stored on the modules of each model built (two models may use different kernels).
     kernels: str = "auto"
 
     # ---- added by the model package (all optional; defaults = plain Transformer) ----------

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.models import kernels as kernel_impl
 from scaletrain.models.config import ModelConfig
 from scaletrain.models.moce_routed import routed_experts
 from scaletrain.models.registry import register_model
@@ -108,7 +107,7 @@ class MSCAttention(SelfAttention):
     """MSC: the layer input, split into head-sized chunks, is convolved per chunk, then projected."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
         self.variant = PerHeadConv(cfg.conv_kernels, self.head_dim)
 
     def transform_input(self, x: torch.Tensor, ctx: EncoderContext) -> torch.Tensor:
@@ -120,7 +119,7 @@ class MSHAAttention(SelfAttention):
     """MSHA: head h's q, k and v each go through that head's convolution (q before scaling)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
         self.variant = PerHeadConv(cfg.conv_kernels, self.head_dim)
 
     def transform_qkv(self, q, k, v, ctx: EncoderContext):
@@ -139,7 +138,8 @@ class MoCEExperts(nn.Module):
     selected (fp32), output = sum of the k weighted experts.
     """
 
-    def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int):
+    def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int, *,
+                 dispatch: str = "auto", kernel_mode: str = "auto"):
         super().__init__()
         self.kernels = list(kernels)
         self.head_dim = head_dim
@@ -170,7 +170,8 @@ class MoCEExperts(nn.Module):
             j += k > 0
         self.register_buffer("conv_slot", torch.tensor(slots, dtype=torch.long), persistent=False)
         self.collect_stats = True
-        self.dispatch = "auto"  # auto | dense | routed (model.moce_dispatch)
+        self.dispatch = dispatch  # auto | dense | routed (model.moce_dispatch)
+        self.kernel_mode = kernel_mode  # model.kernels: auto lets dispatch auto take the routed path on CPU
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,7 @@ class MoCEExperts(nn.Module):
         """Evaluate only the routed slots (``moce_routed``) instead of the dense one-conv bank: on CPU
         with ``model.kernels: auto`` (needs host-side counts, free on CPU, a device sync elsewhere)."""
         return self.dispatch == "routed" or (self.dispatch == "auto" and z.device.type == "cpu"
-                                             and kernel_impl.current() == "auto")
+                                             and self.kernel_mode == "auto")
 
     # ---- statistics (device-side accumulation, no host sync) ---------------------------
     @torch.no_grad()
@@ -313,12 +314,10 @@ class AdaMSHAAttention(SelfAttention):
     """Ada-MSHA (MoCE): q, k, v of every head go through the routed expert mixture, then SDPA."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
-        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
         self.route_scaled_q = cfg.moce_route_scaled_q
-        self.variant = MoCEExperts(
-            cfg.conv_kernels, self.head_dim, cfg.moce_top_k, cfg.moce_lid, vocab_size - LANG_OFFSET
-        )
-        self.variant.dispatch = cfg.moce_dispatch
+        self.variant = MoCEExperts(cfg.conv_kernels, self.head_dim, cfg.moce_top_k, cfg.moce_lid,
+                                   vocab_size - LANG_OFFSET, dispatch=cfg.moce_dispatch, kernel_mode=cfg.kernels)
 
     @staticmethod
     def source_tag(src: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Callable
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.models.config import ModelConfig
+from scaletrain.models.config import KERNEL_MODES, ModelConfig
 
 Builder = Callable[[ModelConfig, int], nn.Module]
 _REGISTRY: dict[str, Builder] = {}
@@ -56,7 +56,7 @@ def check_config(cfg: ModelConfig, vocab_size: int) -> None:
             _fail(key, f"must be a probability in [0, 1), got {v!r}")
     if cfg.activation not in ("relu", "gelu"):
         _fail("activation", f"must be 'relu' or 'gelu', got {cfg.activation!r}")
-    if cfg.kernels not in ("auto", "torch"):
+    if cfg.kernels not in KERNEL_MODES:
         _fail("kernels", f"must be 'auto' or 'torch', got {cfg.kernels!r}")
     if cfg.embedding not in ("learned", "onehot", "charaware"):
         _fail("embedding", f"must be 'learned', 'onehot' or 'charaware', got {cfg.embedding!r}")
