@@ -24,6 +24,7 @@ from torch import nn
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import ModelConfig
+from scaletrain.models.embeddings import make_embeddings
 from scaletrain.models.moce_routed import routed_experts
 from scaletrain.models.registry import register_model
 from scaletrain.models.transformer import EncoderContext, SelfAttention, Transformer
@@ -359,15 +360,13 @@ def _check_layers(cfg: ModelConfig) -> set[int]:
     return set(layers)
 
 
-def _build(cfg: ModelConfig, vocab_size: int, make_attn) -> Transformer:
-    from scaletrain.models import make_embeddings
-
+def _build(cfg: ModelConfig, vocab_size: int, pieces, make_attn) -> Transformer:
     layers = _check_layers(cfg)
 
     def factory(i: int):
         return make_attn() if i in layers else None
 
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), encoder_self_attn=factory)
+    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size, pieces), encoder_self_attn=factory)
 
 
 def _check_per_head(cfg: ModelConfig) -> None:
@@ -379,19 +378,19 @@ def _check_per_head(cfg: ModelConfig) -> None:
 
 
 @register_model("msc")
-def build_msc(cfg: ModelConfig, vocab_size: int) -> Transformer:
+def build_msc(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
     _check_per_head(cfg)
-    return _build(cfg, vocab_size, lambda: MSCAttention(cfg))
+    return _build(cfg, vocab_size, pieces, lambda: MSCAttention(cfg))
 
 
 @register_model("msha")
-def build_msha(cfg: ModelConfig, vocab_size: int) -> Transformer:
+def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
     _check_per_head(cfg)
-    return _build(cfg, vocab_size, lambda: MSHAAttention(cfg))
+    return _build(cfg, vocab_size, pieces, lambda: MSHAAttention(cfg))
 
 
 @register_model("moce")
-def build_moce(cfg: ModelConfig, vocab_size: int) -> Transformer:
+def build_moce(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
     _check_kernels(cfg.conv_kernels)
     if not isinstance(cfg.moce_top_k, int) or cfg.moce_top_k < 1:
         raise ScaletrainError(f"model.moce_top_k: must be a positive integer, got {cfg.moce_top_k!r}")
@@ -402,4 +401,4 @@ def build_moce(cfg: ModelConfig, vocab_size: int) -> Transformer:
         raise ScaletrainError(f"model.moce_dispatch: expected auto, dense or routed, got {cfg.moce_dispatch!r}")
     if cfg.moce_lid and vocab_size <= LANG_OFFSET:
         raise ScaletrainError("model.moce_lid: needs language tags in the vocabulary (source tag at src position 0)")
-    return _build(cfg, vocab_size, lambda: AdaMSHAAttention(cfg, vocab_size))
+    return _build(cfg, vocab_size, pieces, lambda: AdaMSHAAttention(cfg, vocab_size))

@@ -27,6 +27,7 @@ from torch import nn
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import ModelConfig
+from scaletrain.models.embeddings import make_embeddings
 from scaletrain.models.registry import register_model
 from scaletrain.models.transformer import EncoderContext, EncoderLayer, Transformer
 from scaletrain.vocab import BYTE_OFFSET, PAD
@@ -110,22 +111,18 @@ def _check_byte_layers(cfg: ModelConfig) -> None:
 
 
 @register_model("byte_ncf")
-def build_byte_ncf(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    from scaletrain.models import make_embeddings
-
+def build_byte_ncf(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
     _check_byte_layers(cfg)
     ng = list(cfg.ncf_ngrams)
     if not ng or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in ng) or len(set(ng)) != len(ng):
         raise ScaletrainError(f"model.ncf_ngrams: need distinct positive integers (1 = identity stream), got {ng}")
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), frontend=ByteNCFFrontEnd(cfg))
+    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size, pieces), frontend=ByteNCFFrontEnd(cfg))
 
 
 @register_model("byte_wsf")
-def build_byte_wsf(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    from scaletrain.models import make_embeddings
-
+def build_byte_wsf(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
     _check_byte_layers(cfg)
     seps = list(cfg.wsf_separators)
     if not seps or any(not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 256 for b in seps):
         raise ScaletrainError(f"model.wsf_separators: need byte values in [0, 255] (32 = space), got {seps}")
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), frontend=ByteWSFFrontEnd(cfg))
+    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size, pieces), frontend=ByteWSFFrontEnd(cfg))

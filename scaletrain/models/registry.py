@@ -1,19 +1,21 @@
-"""Model registry: ``cfg.arch`` -> builder ``(cfg, vocab_size) -> nn.Module``, plus config checks."""
+"""Model registry: ``cfg.arch`` -> builder ``(cfg, vocab_size, pieces) -> nn.Module``, plus config checks."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import KERNEL_MODES, ModelConfig
 
-Builder = Callable[[ModelConfig, int], nn.Module]
+# (config, vocabulary size, the surface string of every id or None) -> model; the config is
+# checked before the builder runs (check_config)
+Builder = Callable[[ModelConfig, int, Optional[Sequence[str]]], nn.Module]
 _REGISTRY: dict[str, Builder] = {}
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:
-    """Decorator: ``@register_model("moce") def build(cfg, vocab_size): ...``"""
+    """Decorator: ``@register_model("moce") def build(cfg, vocab_size, pieces): ...``"""
 
     def deco(fn: Builder) -> Builder:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
@@ -28,14 +30,21 @@ def available_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def builder(arch: str) -> Builder:
+    """The builder registered under ``arch``; ScaletrainError naming ``model.arch`` otherwise."""
+    if arch not in _REGISTRY:
+        raise ScaletrainError(
+            f"model.arch: unknown architecture {arch!r}; choose one of: {', '.join(available_models())}"
+        )
+    return _REGISTRY[arch]
+
+
 def _fail(key: str, msg: str) -> None:
     raise ScaletrainError(f"model.{key}: {msg}")
 
 
 def check_config(cfg: ModelConfig, vocab_size: int) -> None:
     """Validate the fields every architecture uses; raises ScaletrainError naming the key."""
-    if cfg.arch not in _REGISTRY:
-        _fail("arch", f"unknown architecture {cfg.arch!r}; choose one of: {', '.join(available_models())}")
     if not isinstance(vocab_size, int) or vocab_size < 5:
         raise ScaletrainError(f"vocabulary size must be an int >= 5 (specials + bytes), got {vocab_size!r}")
     for key in ("d_model", "n_heads", "ffn_dim", "max_positions"):

@@ -95,7 +95,7 @@ def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len
     """
     import torch
 
-    from scaletrain.models import build_model
+    from scaletrain.models.build import build_model
 
     with torch.device("meta"):
         model = build_model(cfg, vocab_size, pieces=pieces)
