@@ -5,7 +5,9 @@
     logits = model(src, tgt_in)              # [B,S],[B,T] int64 -> [B,T,V]
 
 Architectures: transformer (+ embedding=onehot for Embeddingless, embedding=charaware for the
-character-aware gated decoder), byte_ncf, byte_wsf, msc, msha, moce.
+character-aware gated decoder), byte_ncf, byte_wsf, msc, msha, moce. The variants' options are
+sections of the model config (``model.lobef``, ``model.conv``, ``model.moce``, ``model.onehot``,
+``model.charaware``; see ``scaletrain.models.config``).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from scaletrain.models import convattn as _convattn  # noqa: F401  (registers ms
 from scaletrain.models import lobef as _lobef  # noqa: F401  (registers byte_ncf, byte_wsf)
 from scaletrain.models.config import ModelConfig
 from scaletrain.models.embeddings import make_embeddings
-from scaletrain.models.registry import builder, check_config, register_model
+from scaletrain.models.registry import builder, register_model
 from scaletrain.models.transformer import Transformer
 
 
@@ -26,5 +26,5 @@ def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str
     Everything the model needs comes from the arguments: ``model.kernels`` is stored on its modules,
     so models built with different configs do not affect each other."""
     build = builder(cfg.arch)
-    check_config(cfg, vocab_size)
+    cfg.validate(vocab_size)
     return build(cfg, vocab_size, pieces)

@@ -24,7 +24,7 @@ def make_embeddings(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence
             vocab_size,
             cfg.d_model,
             share_output=cfg.share_embeddings,
-            learnable_scales=cfg.onehot_learnable_scales,
+            learnable_scales=cfg.onehot.learnable_scales,
             scale=cfg.scale_embeddings,
         )
     cls = SharedEmbeddings if cfg.share_embeddings else SeparateEmbeddings

@@ -187,8 +187,6 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, attention_dropout: float, kernel_mode: str = "auto"):
         super().__init__()
-        if dim % n_heads:
-            raise ScaletrainError(f"model.d_model={dim} is not divisible by model.n_heads={n_heads}")
         self.dim, self.n_heads, self.head_dim = dim, n_heads, dim // n_heads
         self.attention_dropout = attention_dropout
         self.kernel_mode = kernel_mode  # model.kernels (scaletrain.models.kernels)
