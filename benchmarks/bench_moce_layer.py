@@ -7,7 +7,7 @@ with the plain self-attention layer of the same size as the reference.
 The three layers share the projections' weights and see the same input and padding (sentences of
 50-100% of the length, right padded, a source tag first). Timing is interleaved: every round runs
 each contender a few times in turn; medians over rounds are reported, and the extra cost of each
-MoCE layer over the plain layer. The routed path is the CPU default (``model.moce_dispatch: auto``);
+MoCE layer over the plain layer. The routed path is the CPU default (``model.moce.dispatch: auto``);
 dense is what accelerators run.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from scaletrain.models import ModelConfig, build_model  # noqa: E402
+from scaletrain.models.config import ConvConfig, MoCEConfig  # noqa: E402
 from scaletrain.models.transformer import EncoderContext  # noqa: E402
 from scaletrain.vocab import BYTE_OFFSET, LANG_OFFSET, PAD  # noqa: E402
 
@@ -51,11 +52,11 @@ def main(argv=None) -> int:
         src[b, 0] = LANG_OFFSET + b % 8
     x0 = torch.randn(a.batch, a.len, d, generator=g)
     layers = {}
-    for name, extra in (("plain", dict()), ("moce routed", dict(arch="moce", moce_dispatch="routed")),
-                        ("moce dense", dict(arch="moce", moce_dispatch="dense"))):
+    for name, extra in (("plain", dict()), ("moce routed", dict(arch="moce", moce=MoCEConfig(dispatch="routed"))),
+                        ("moce dense", dict(arch="moce", moce=MoCEConfig(dispatch="dense")))):
         torch.manual_seed(0)
         cfg = ModelConfig(d_model=d, n_heads=8, encoder_layers=1, decoder_layers=1, ffn_dim=2 * d, dropout=0.0,
-                          max_positions=a.len + 8, conv_kernels=kernels, **extra)
+                          max_positions=a.len + 8, conv=ConvConfig(kernels=kernels), **extra)
         m = build_model(cfg, vocab).train()
         layers[name] = (m.encoder_layers[0].self_attn, m.embeddings)
 

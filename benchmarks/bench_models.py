@@ -29,26 +29,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from scaletrain.models import ModelConfig, build_model, estimate_flops_per_token  # noqa: E402
+from scaletrain.models.config import ConvConfig, LobefConfig, MoCEConfig, OneHotConfig  # noqa: E402
 from scaletrain.models.loss import label_smoothed_ce  # noqa: E402
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD  # noqa: E402
 
 # model-section options of each paper recipe (scaletrain/recipes/<name>.yaml), applied to the same base dims
 VARIANTS: dict[str, dict] = {
     "transformer": {},
-    "embeddingless": dict(embedding="onehot", onehot_learnable_scales=True, encoder_input_dropout=False,
+    "embeddingless": dict(embedding="onehot", onehot=OneHotConfig(learnable_scales=True), encoder_input_dropout=False,
                           decoder_last_layer_dropout=False),
-    "byte_ncf": dict(arch="byte_ncf", byte_encoder_layers=4, encoder_layers=2, embedding="onehot",
-                     share_embeddings=False, onehot_learnable_scales=False, encoder_input_dropout=False),
-    "byte_wsf": dict(arch="byte_wsf", byte_encoder_layers=2, encoder_layers=4, embedding="onehot",
-                     share_embeddings=False, onehot_learnable_scales=False),
-    "msc": dict(arch="msc", conv_kernels=[0, 0, 3, 3, 5, 5, 7, 7], conv_layers=[0]),
-    "msha": dict(arch="msha", conv_kernels=[0, 0, 1, 1, 3, 5, 7, 9], conv_layers=[0]),
-    "moce_d4": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7], conv_layers=[0]),
-    "moce_d5": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], conv_layers=[0]),
+    "byte_ncf": dict(arch="byte_ncf", lobef=LobefConfig(byte_layers=4), encoder_layers=2, embedding="onehot",
+                     share_embeddings=False, onehot=OneHotConfig(learnable_scales=False), encoder_input_dropout=False),
+    "byte_wsf": dict(arch="byte_wsf", lobef=LobefConfig(byte_layers=2), encoder_layers=4, embedding="onehot",
+                     share_embeddings=False, onehot=OneHotConfig(learnable_scales=False)),
+    "msc": dict(arch="msc", conv=ConvConfig(kernels=[0, 0, 3, 3, 5, 5, 7, 7], layers=[0])),
+    "msha": dict(arch="msha", conv=ConvConfig(kernels=[0, 0, 1, 1, 3, 5, 7, 9], layers=[0])),
+    "moce_d4": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7], layers=[0])),
+    "moce_d5": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9], layers=[0])),
     # the same model with every expert evaluated densely in one conv (the accelerator path)
-    "moce_d5_dense": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], conv_layers=[0], moce_dispatch="dense"),
-    "moce_d5_lid": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], conv_layers=[0], moce_lid=True),
-    "moce_d6": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9, 11], conv_layers=[0]),
+    "moce_d5_dense": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9], layers=[0]),
+                          moce=MoCEConfig(dispatch="dense")),
+    "moce_d5_lid": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9], layers=[0]), moce=MoCEConfig(lid=True)),
+    "moce_d6": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9, 11], layers=[0])),
 }
 
 

@@ -177,6 +177,9 @@ def _from_dict(cls, d: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in d if k not in names]
+    renamed = getattr(cls, "RENAMED", {})
+    if unknown and unknown[0] in renamed:
+        raise ScaletrainError(f"config key '{prefix}{unknown[0]}' is now '{prefix}{renamed[unknown[0]]}'")
     if unknown:
         raise ScaletrainError(
             f"unknown config key '{prefix}{unknown[0]}'; valid keys under "
@@ -187,7 +190,17 @@ def _from_dict(cls, d: dict, prefix: str = ""):
 
 
 def to_dict(cfg) -> dict:
+    """Plain dict of a config tree; the model section lists only the variant keys its arch and
+    embedding use (``ModelConfig.used_keys``)."""
+
     def conv(x):
+        if isinstance(x, ModelConfig):
+            out = {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            for section, keys in x.used_keys().items():
+                out[section] = {k: out[section][k] for k in keys}
+                if not keys:
+                    del out[section]
+            return out
         if dataclasses.is_dataclass(x):
             return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
         if isinstance(x, tuple):
@@ -289,7 +302,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def from_dict(data: dict) -> Config:
+    """Config from a mapping as written (a recipe tree with overrides applied, or a checkpoint's
+    config.yaml): unknown keys, wrong types, variant keys the model does not use and broken rules
+    fail with the key named."""
     cfg = _from_dict(Config, data)
+    cfg.model.check_keys_set(data.get("model") or {})
     validate(cfg)
     return cfg
 
@@ -315,8 +332,7 @@ def validate(cfg: Config) -> None:
         bad("engine.accelerate", f"must be ddp or deepspeed, got {cfg.engine.accelerate!r}")
     if cfg.engine.threads < 0:
         bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
-    if cfg.model.d_model % cfg.model.n_heads:
-        bad("model.n_heads", f"d_model {cfg.model.d_model} is not divisible by n_heads {cfg.model.n_heads}")
+    cfg.model.validate()  # the model rules (scaletrain.models.config)
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
     if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):

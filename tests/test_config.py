@@ -1,7 +1,9 @@
 import json
 import math
+import re
 
 import pytest
+import yaml
 
 from scaletrain.config import dump_yaml, load_config, recipe_names
 from scaletrain.engine.optim import inverse_sqrt_factor
@@ -39,6 +41,45 @@ def test_overrides_typed():
 def test_bad_overrides_name_the_key(override, msg):
     with pytest.raises(ScaletrainError, match=msg.replace("(", r"\(").replace("[", r"\[")):
         load_config("small", [override])
+
+
+def test_variant_sections_load_from_yaml_and_dotted_overrides(tmp_path):
+    cfg = load_config("moce_d5", ["model.moce.top_k=3", "model.conv.kernels=[0,1,3]"])
+    assert (cfg.model.moce.top_k, cfg.model.moce.lid, cfg.model.conv.kernels) == (3, False, [0, 1, 3])
+    p = tmp_path / "ncf.yaml"
+    p.write_text("base: byte_ncf\nmodel:\n  lobef:\n    ngrams: [1, 2]\n")
+    assert load_config(str(p)).model.lobef.ngrams == [1, 2]
+    # the resolved config lists only the variant keys the arch / embedding uses
+    dumped = yaml.safe_load(dump_yaml(load_config("byte_wsf")))["model"]
+    assert dumped["lobef"] == {"byte_layers": 2, "separators": [32]} and dumped["onehot"] == {"learnable_scales": False}
+    assert not {"conv", "moce", "charaware"} & set(dumped)
+    assert not {"lobef", "conv", "moce", "onehot", "charaware"} & set(yaml.safe_load(dump_yaml(load_config("base")))["model"])
+
+
+@pytest.mark.parametrize("recipe,override,msg", [
+    ("small", "model.moce.top_k=3", "model.moce.top_k is set but model.arch is 'transformer'; it applies only to arch moce"),
+    ("msc", "model.moce.lid=true", "model.moce.lid is set but model.arch is 'msc'"),
+    ("byte_wsf", "model.lobef.ngrams=[1,2]", "model.lobef.ngrams is set but model.arch is 'byte_wsf'; it applies only to arch byte_ncf"),
+    ("byte_ncf", "model.lobef.separators=[32]", "model.lobef.separators is set but model.arch is 'byte_ncf'"),
+    ("base", "model.conv.layers=[0]", "model.conv.layers is set but model.arch is 'transformer'; it applies only to arch msc, msha, moce"),
+    ("base", "model.charaware.dim=8", "model.charaware.dim is set but model.embedding is 'learned'; it applies only to embedding charaware"),
+    ("moce_d5", "model.onehot.learnable_scales=false", "model.onehot.learnable_scales is set but model.embedding is 'learned'"),
+    ("moce_d5", "model.moce_top_k=3", "config key 'model.moce_top_k' is now 'model.moce.top_k'"),
+    ("byte_ncf", "model.byte_encoder_layers=2", "config key 'model.byte_encoder_layers' is now 'model.lobef.byte_layers'"),
+    ("moce_d5", "model.moce.topk=3", "unknown config key 'model.moce.topk'; valid keys under 'model.moce'"),
+    ("moce_d5", "model.conv.kernels=[0,2]", "model.conv.kernels: kernel sizes must be 0"),
+    ("msha", "model.n_heads=4", "model.conv.kernels: msha needs one kernel per head (4)"),
+])
+def test_variant_keys_are_checked_against_the_arch(recipe, override, msg):
+    with pytest.raises(ScaletrainError, match=re.escape(msg)):
+        load_config(recipe, [override])
+
+
+def test_variant_key_of_another_arch_in_a_yaml_file_is_an_error(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("base: moce_d5\nmodel:\n  arch: transformer\n")  # the parent's moce keys no longer apply
+    with pytest.raises(ScaletrainError, match=r"model\.conv\.kernels is set but model\.arch is 'transformer'"):
+        load_config(str(p))
 
 
 def test_unknown_recipe():

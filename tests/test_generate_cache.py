@@ -8,6 +8,7 @@ import torch
 from scaletrain import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, available_models, build_model
+from scaletrain.models.config import ConvConfig, LobefConfig
 from scaletrain.vocab import EOS, ByteVocab
 
 VOCAB = ByteVocab(["en", "de", "th"])
@@ -22,9 +23,9 @@ EXAMPLES = [
 
 def tiny(arch: str, seed=0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    extra = {"conv_kernels": [0, 1, 3, 5]} if arch in ("msc", "msha") else {}  # one kernel per head
+    conv = ConvConfig(kernels=[0, 1, 3, 5]) if arch in ("msc", "msha") else ConvConfig()  # one kernel per head
     cfg = ModelConfig(arch=arch, d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64,
-                      max_positions=64, dropout=0.0, byte_encoder_layers=1, conv_layers=[0], **extra)
+                      max_positions=64, dropout=0.0, lobef=LobefConfig(byte_layers=1), conv=conv)
     return build_model(cfg, VOCAB.size).eval()
 
 

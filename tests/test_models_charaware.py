@@ -9,6 +9,7 @@ import torch
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import CharAwareEmbeddings, ModelConfig, build_model, count_parameters
 from scaletrain.models.charaware import charaware_parameter_count, char_table, pieces_from_state_dict
+from scaletrain.models.config import CharAwareConfig, ConvConfig, LobefConfig
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.vocab import PAD
 
@@ -33,10 +34,11 @@ V = len(PIECES)  # 108
 TAG0 = N_SPECIALS + 100  # first language tag id
 
 
-def cfg(**kw) -> ModelConfig:
+def cfg(charaware=None, **kw) -> ModelConfig:
+    """``charaware``: keys of model.charaware over the test's char dim 16."""
     base = dict(
         d_model=D, n_heads=4, encoder_layers=1, decoder_layers=2, ffn_dim=64, dropout=0.0, max_positions=64,
-        embedding="charaware", char_dim=16,
+        embedding="charaware", charaware=CharAwareConfig(**{"dim": 16, **(charaware or {})}),
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -111,7 +113,7 @@ def test_shapes_and_one_matrix_for_decoder_input_and_softmax():
 
 @pytest.mark.parametrize("gate", ["vector", "scalar"])
 def test_gate_at_one_and_zero_gives_standard_and_composed_rows_exactly(gate):
-    emb = make(char_gate=gate).embeddings
+    emb = make(charaware={"gate": gate}).embeddings
     assert emb.gate_weight.shape == (V, D if gate == "vector" else 1)
     assert torch.equal(emb.gate()[COMPOSABLE], torch.full_like(emb.gate()[COMPOSABLE], 0.5))  # init w_gate = 0
     with torch.no_grad():
@@ -149,8 +151,8 @@ def test_composed_row_depends_only_on_its_own_characters():
 def test_padding_characters_do_not_matter_and_long_pieces_are_truncated():
     long = "\u2581" + "abcdefgh" * 3  # 25 characters
     pieces = list(PIECES) + [long, long[:20], "ab"]
-    a = make(pieces=pieces, char_max_len=20).embeddings
-    b = make(pieces=pieces, char_max_len=30).embeddings
+    a = make(pieces=pieces, charaware={"max_len": 20}).embeddings
+    b = make(pieces=pieces, charaware={"max_len": 30}).embeddings
     assert a.char_ids.shape[1] == 22 and b.char_ids.shape[1] == 32
     assert torch.equal(a.char_codepoints, b.char_codepoints)  # same char vocabulary, same parameters
     with torch.no_grad():
@@ -170,7 +172,7 @@ def test_padding_characters_do_not_matter_and_long_pieces_are_truncated():
         ca2, cb2 = a.composed(), b.composed()
     assert (ca2 - ca).abs().max() > 1e-3
     torch.testing.assert_close(ca2[: n + 3][keep], cb2[: n + 3][keep], rtol=0, atol=1e-6)
-    # the 25-char piece is its first 20 characters at char_max_len=20, but not at 30
+    # the 25-char piece is its first 20 characters at charaware.max_len=20, but not at 30
     assert torch.equal(ca[n], ca[n + 1])
     assert (cb[n] - cb[n + 1]).abs().max() > 1e-4
     code_points, table = char_table(["ab", ""], 4)
@@ -256,10 +258,10 @@ SMALL = [""] * 4 + ["\u2581ab", "abc", "b", "\u2581c"] + [""] * 2
         # std 10*32 + gate 10*32 + chars 7*16 + convs (3+4+5+6)*16*8 + 4*8 + highway 2*2*(32*32+32)
         ({}, 320 + 320 + 112 + 2304 + 32 + 4224),  # 7312
         ({"share_embeddings": False}, 7312 + 320),  # + encoder matrix
-        ({"char_gate": "scalar"}, 7312 - 320 + 10),  # one gate per type
+        ({"charaware": {"gate": "scalar"}}, 7312 - 320 + 10),  # one gate per type
         # filters 10 -> T = 40 != d: convs 18*16*10 + 40, highway 4*(1600+40), projection 40*32+32
-        ({"char_filters": 10}, 320 + 320 + 112 + 2880 + 40 + 6560 + 1312),  # 11544
-        ({"char_highway_layers": 0, "char_kernels": [3]}, 320 + 320 + 112 + (3 * 16 * 32 + 32)),  # filters 32/1
+        ({"charaware": {"filters": 10}}, 320 + 320 + 112 + 2880 + 40 + 6560 + 1312),  # 11544
+        ({"charaware": {"highway_layers": 0, "kernels": [3]}}, 320 + 320 + 112 + (3 * 16 * 32 + 32)),  # filters 32/1
     ],
 )
 def test_parameter_count_matches_hand_computation(kw, expected):
@@ -295,9 +297,9 @@ def test_toy_copy_task_learns():
 @pytest.mark.parametrize("arch", ["msha", "moce", "byte_ncf"])
 def test_other_architectures_take_the_charaware_embeddings(arch):
     kw = {
-        "msha": {"conv_kernels": [0, 1, 3, 5]},
-        "moce": {"conv_kernels": [0, 1, 3]},
-        "byte_ncf": {"byte_encoder_layers": 1},
+        "msha": {"conv": ConvConfig(kernels=[0, 1, 3, 5])},
+        "moce": {"conv": ConvConfig(kernels=[0, 1, 3])},
+        "byte_ncf": {"lobef": LobefConfig(byte_layers=1)},
     }[arch]
     m = make(arch=arch, **kw).eval()
     assert isinstance(m.embeddings, CharAwareEmbeddings)
@@ -322,15 +324,15 @@ def test_other_embeddings_ignore_pieces():
 @pytest.mark.parametrize(
     "kw,key",
     [
-        ({"char_kernels": []}, "model.char_kernels"),
-        ({"char_kernels": [3, 0]}, "model.char_kernels"),
-        ({"char_kernels": [3, 3]}, "model.char_kernels"),
-        ({"char_kernels": "3,4"}, "model.char_kernels"),
-        ({"char_dim": 0}, "model.char_dim"),
-        ({"char_filters": -1}, "model.char_filters"),
-        ({"char_highway_layers": 1.5}, "model.char_highway_layers"),
-        ({"char_max_len": 0}, "model.char_max_len"),
-        ({"char_gate": "matrix"}, "model.char_gate"),
+        ({"charaware": {"kernels": []}}, "model.charaware.kernels"),
+        ({"charaware": {"kernels": [3, 0]}}, "model.charaware.kernels"),
+        ({"charaware": {"kernels": [3, 3]}}, "model.charaware.kernels"),
+        ({"charaware": {"kernels": "3,4"}}, "model.charaware.kernels"),
+        ({"charaware": {"dim": 0}}, "model.charaware.dim"),
+        ({"charaware": {"filters": -1}}, "model.charaware.filters"),
+        ({"charaware": {"highway_layers": 1.5}}, "model.charaware.highway_layers"),
+        ({"charaware": {"max_len": 0}}, "model.charaware.max_len"),
+        ({"charaware": {"gate": "matrix"}}, "model.charaware.gate"),
         ({"embedding": "chars"}, "model.embedding"),
     ],
 )

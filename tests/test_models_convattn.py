@@ -6,6 +6,7 @@ import torch
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import EncoderContext, ModelConfig, build_model
+from scaletrain.models.config import ConvConfig, MoCEConfig
 from scaletrain.models.convattn import AdaMSHAAttention, MoCEExperts, MSCAttention, MSHAAttention
 from scaletrain.models.transformer import SelfAttention, SharedEmbeddings
 from scaletrain.vocab import LANG_OFFSET, PAD
@@ -58,7 +59,7 @@ def real(t, tokens):
 @pytest.mark.parametrize("cls", [MSCAttention, MSHAAttention])
 def test_all_zero_kernels_equal_plain_attention(cls):
     torch.manual_seed(0)
-    attn = cls(cfg(conv_kernels=[0, 0, 0, 0])).eval()
+    attn = cls(cfg(conv=ConvConfig(kernels=[0, 0, 0, 0]))).eval()
     assert sum(p.numel() for p in attn.variant.parameters()) == 0
     tokens, x = tokens_and_x()
     ctx = ctx_for(tokens)
@@ -70,7 +71,7 @@ def test_all_zero_kernels_equal_plain_attention(cls):
 @pytest.mark.parametrize("cls", [MSCAttention, MSHAAttention])
 def test_identity_initialised_convolutions_equal_plain_attention(cls):
     torch.manual_seed(0)
-    attn = cls(cfg(conv_kernels=[1, 3, 0, 5])).eval()
+    attn = cls(cfg(conv=ConvConfig(kernels=[1, 3, 0, 5]))).eval()
     tokens, x = tokens_and_x()
     ctx = ctx_for(tokens)
     different = attn(x, ctx)
@@ -83,7 +84,7 @@ def test_identity_initialised_convolutions_equal_plain_attention(cls):
 
 def test_msha_heads_with_kernel_zero_are_untouched_and_pads_do_not_leak():
     torch.manual_seed(0)
-    attn = MSHAAttention(cfg(conv_kernels=[3, 0, 5, 0])).eval()
+    attn = MSHAAttention(cfg(conv=ConvConfig(kernels=[3, 0, 5, 0]))).eval()
     tokens, x = tokens_and_x()
     ctx = ctx_for(tokens)
     q, k, v = (attn.split(p(x)) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -103,7 +104,7 @@ def test_msha_heads_with_kernel_zero_are_untouched_and_pads_do_not_leak():
 
 def test_msc_convolves_the_input_per_head_chunk():
     torch.manual_seed(0)
-    attn = MSCAttention(cfg(conv_kernels=[0, 3, 0, 1])).eval()
+    attn = MSCAttention(cfg(conv=ConvConfig(kernels=[0, 3, 0, 1]))).eval()
     tokens, x = tokens_and_x()
     ctx = ctx_for(tokens)
     xt = attn.transform_input(x, ctx)
@@ -124,13 +125,13 @@ def test_msc_convolves_the_input_per_head_chunk():
 
 @pytest.mark.parametrize("arch,kernels", [("msc", [0, 0, 2, 3]), ("msha", [0, 1, 3]), ("moce", [0, -1]), ("moce", [])])
 def test_bad_kernels_are_rejected(arch, kernels):
-    with pytest.raises(ScaletrainError, match="model.conv_kernels"):
-        build_model(cfg(arch=arch, conv_kernels=kernels), V)
+    with pytest.raises(ScaletrainError, match="model.conv.kernels"):
+        build_model(cfg(arch=arch, conv=ConvConfig(kernels=kernels)), V)
 
 
 def test_bad_layers_are_rejected():
-    with pytest.raises(ScaletrainError, match="model.conv_layers"):
-        build_model(cfg(arch="moce", conv_layers=[2]), V)
+    with pytest.raises(ScaletrainError, match="model.conv.layers"):
+        build_model(cfg(arch="moce", conv=ConvConfig(layers=[2])), V)
 
 
 # ---- Ada-MSHA / MoCE ---------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def test_routing_weights_are_a_top_k_distribution():
 
 
 def test_identity_experts_give_plain_attention_for_any_router():
-    c = cfg(arch="moce", conv_kernels=[0, 1, 3, 5])
+    c = cfg(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5]))
     torch.manual_seed(0)
     attn = AdaMSHAAttention(c, V).eval()
     identity_init(attn.variant)
@@ -178,7 +179,7 @@ def test_identity_experts_give_plain_attention_for_any_router():
 
 
 def test_delta_zero_single_identity_expert_equals_plain_attention():
-    m = build_model(cfg(arch="moce", conv_kernels=[0], moce_top_k=2), V).eval()
+    m = build_model(cfg(arch="moce", conv=ConvConfig(kernels=[0]), moce=MoCEConfig(top_k=2)), V).eval()
     attn = m.encoder_layers[0].self_attn
     assert attn.variant.top_k == 1  # clamped to the number of experts
     tokens, x = tokens_and_x()
@@ -216,7 +217,7 @@ def test_experts_and_router_are_shared_across_heads():
 
 
 def test_lid_router_input_is_head_slice_of_raw_source_tag_embedding():
-    c = cfg(arch="moce", conv_kernels=[0, 1, 3], moce_lid=True)
+    c = cfg(arch="moce", conv=ConvConfig(kernels=[0, 1, 3]), moce=MoCEConfig(lid=True))
     m = build_model(c, V).eval()
     attn = m.encoder_layers[0].self_attn
     ex = attn.variant
@@ -257,14 +258,14 @@ def test_exactly_one_ada_msha_at_encoder_layer_0_by_default():
     kinds = [type(layer.self_attn) for layer in m.encoder_layers]
     assert kinds == [AdaMSHAAttention, SelfAttention, SelfAttention]
     assert sum(isinstance(mod, MoCEExperts) for mod in m.modules()) == 1
-    m2 = build_model(cfg(arch="moce", encoder_layers=3, conv_layers=[1, 2]), V)
+    m2 = build_model(cfg(arch="moce", encoder_layers=3, conv=ConvConfig(layers=[1, 2])), V)
     assert [type(layer.self_attn) for layer in m2.encoder_layers] == [SelfAttention, AdaMSHAAttention, AdaMSHAAttention]
 
 
 @pytest.mark.parametrize("kernels,lid", [([0, 1, 3, 5, 7, 9], False), ([0, 1, 3, 5, 7, 9, 11], True), ([0, 3], False)])
 def test_parameter_delta_formula(kernels, lid):
     dense = sum(p.numel() for p in build_model(cfg(), V).parameters())
-    m = build_model(cfg(arch="moce", conv_kernels=kernels, moce_lid=lid), V)
+    m = build_model(cfg(arch="moce", conv=ConvConfig(kernels=kernels), moce=MoCEConfig(lid=lid)), V)
     n_conv = sum(1 for k in kernels if k)
     expected = DH**2 * sum(kernels) + DH * n_conv + len(kernels) * DH * (2 if lid else 1)
     assert sum(p.numel() for p in m.parameters()) - dense == expected
@@ -283,7 +284,7 @@ def test_pads_do_not_leak_into_expert_convolutions():
 
 
 def test_routing_stats_per_source_language():
-    m = build_model(cfg(arch="moce", conv_kernels=[0, 1, 3, 5], moce_top_k=2), V).eval()
+    m = build_model(cfg(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5]), moce=MoCEConfig(top_k=2)), V).eval()
     tokens, _ = tokens_and_x()  # tags 260, 261, 262 -> languages 0, 1, 2
     tgt = torch.full((3, 2), 265)
     m(tokens, tgt)
@@ -313,7 +314,7 @@ def test_routing_stats_per_source_language():
 
 
 def test_moce_router_and_convs_get_gradients_and_no_aux_loss():
-    m = build_model(cfg(arch="moce", conv_kernels=[0, 1, 3]), V).train()
+    m = build_model(cfg(arch="moce", conv=ConvConfig(kernels=[0, 1, 3])), V).train()
     tokens, _ = tokens_and_x()
     tgt = torch.randint(4, 260, (3, 5))
     m(tokens, tgt).sum().backward()
@@ -413,7 +414,6 @@ def test_routed_path_equals_dense_path_in_bfloat16():
 
 
 def test_cpu_default_is_the_routed_path_and_kernels_torch_keeps_the_dense_one(monkeypatch):
-    from scaletrain.models import kernels as kernel_impl
     from scaletrain.models import moce_routed
 
     calls = []
@@ -423,18 +423,15 @@ def test_cpu_default_is_the_routed_path_and_kernels_torch_keeps_the_dense_one(mo
     z, pad = z_and_pads()
     ex(z, pad, None, None)
     assert calls == [1]
-    kernel_impl.configure("torch")
-    try:
-        ex(z, pad, None, None)
-    finally:
-        kernel_impl.configure("auto")
+    ex.kernel_mode = "torch"  # model.kernels: torch
+    ex(z, pad, None, None)
     assert calls == [1]
 
 
 def test_moce_model_training_step_is_the_same_on_both_paths():
     """A whole MoCE(+lid) model: loss and every parameter gradient agree between the paths."""
     torch.manual_seed(0)
-    m = build_model(cfg(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], moce_lid=True), V).double().train()
+    m = build_model(cfg(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9]), moce=MoCEConfig(lid=True)), V).double().train()
     tokens, _ = tokens_and_x()
     tgt = torch.randint(4, 260, (3, 6), generator=torch.Generator().manual_seed(1))
     ex = m.encoder_layers[0].self_attn.variant
@@ -453,10 +450,10 @@ def test_moce_model_training_step_is_the_same_on_both_paths():
 
 def test_moce_dispatch_option_reaches_the_expert_bank_and_is_validated():
     for d in ("auto", "dense", "routed"):
-        m = build_model(cfg(arch="moce", moce_dispatch=d), V)
+        m = build_model(cfg(arch="moce", moce=MoCEConfig(dispatch=d)), V)
         assert m.encoder_layers[0].self_attn.variant.dispatch == d
-    with pytest.raises(ScaletrainError, match="model.moce_dispatch"):
-        build_model(cfg(arch="moce", moce_dispatch="sparse"), V)
+    with pytest.raises(ScaletrainError, match="model.moce.dispatch"):
+        build_model(cfg(arch="moce", moce=MoCEConfig(dispatch="sparse")), V)
 
 
 def test_experts_that_receive_no_slots_get_zero_gradients_on_both_paths():

@@ -1,6 +1,7 @@
 """The CPU kernel twins (bmm attention, bit-sliced dropout) against PyTorch's own ops."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,13 +12,6 @@ from scaletrain.config import load_config
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, kernels
 from scaletrain.models.config import ModelConfig
-
-
-@pytest.fixture(autouse=True)
-def _restore_mode():
-    before = kernels.current()
-    yield
-    kernels.configure(before)
 
 
 def _qkv(dtype, B=3, H=4, T=7, S=9, Dh=8, seed=0):
@@ -76,7 +70,6 @@ def test_auto_picks_bmm_only_for_cpu_training_in_reduced_precision(monkeypatch):
     calls = []
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    kernels.configure("auto")
     q, k, v = (t.requires_grad_() for t in _qkv(torch.bfloat16))
     kernels.attention(q, k, v)
     assert calls == []  # bf16 with gradients: bmm
@@ -85,8 +78,7 @@ def test_auto_picks_bmm_only_for_cpu_training_in_reduced_precision(monkeypatch):
     assert calls == [1]  # decoding: SDPA's fast forward
     kernels.attention(*(t.float() for t in (q, k, v)))
     assert calls == [1, 1]  # fp32: SDPA
-    kernels.configure("torch")
-    kernels.attention(q, k, v)
+    kernels.attention(q, k, v, mode="torch")
     assert calls == [1, 1, 1]
 
 
@@ -110,7 +102,6 @@ def test_keep_mask_rate_lanes_and_independence():
 
 @pytest.mark.parametrize("p", [0.1, 0.3])
 def test_dropout_is_unbiased_and_zeroes_the_same_entries_in_backward(p):
-    kernels.configure("auto")
     torch.manual_seed(0)
     x = torch.ones(512, 1024, requires_grad=True)
     y = kernels.dropout(x, p, True)
@@ -125,7 +116,6 @@ def test_dropout_is_unbiased_and_zeroes_the_same_entries_in_backward(p):
 
 
 def test_dropout_is_seeded_by_the_default_generator():
-    kernels.configure("auto")
     x = torch.randn(64, 64)
     torch.manual_seed(5)
     a = kernels.dropout(x, 0.2, True)
@@ -140,8 +130,8 @@ def test_model_kernels_config_is_validated_and_applied():
     with pytest.raises(ScaletrainError, match="model.kernels"):
         build_model(cfg, 268)
     cfg.kernels = "torch"
-    build_model(cfg, 268)
-    assert kernels.current() == "torch"
+    model = build_model(cfg, 268)
+    assert {m.kernel_mode for m in model.modules() if hasattr(m, "kernel_mode")} == {"torch"}
     assert load_config("small").model.kernels == "auto"
 
 
@@ -156,7 +146,7 @@ def test_bf16_training_step_matches_between_kernel_families():
     tgt = torch.randint(4, 268, (4, 9))
     out = {}
     for mode in ("torch", "auto"):
-        kernels.configure(mode)
+        kernels.set_mode(model, mode)
         model.zero_grad()
         logits = model(src, tgt)
         logits.float().logsumexp(-1).mean().backward()
@@ -169,7 +159,6 @@ def test_bf16_training_step_matches_between_kernel_families():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_dropout_is_x_plus_dropout_with_exact_scale_and_gradients(dtype):
-    kernels.configure("auto")
     x = torch.randn(256, 64).to(dtype).requires_grad_()
     y = torch.randn(256, 64).to(dtype).requires_grad_()
     torch.manual_seed(7)
@@ -185,8 +174,31 @@ def test_residual_dropout_is_x_plus_dropout_with_exact_scale_and_gradients(dtype
     assert torch.allclose(y.grad.float(), keep.float() * scale, rtol=2**-7)
     # off in eval mode / p = 0; the stock family gives x + F.dropout(y)
     assert torch.equal(kernels.residual_dropout(x, y, 0.2, False), x + y)
-    kernels.configure("torch")
     torch.manual_seed(7)
-    a = kernels.residual_dropout(x, y, 0.2, True)
+    a = kernels.residual_dropout(x, y, 0.2, True, mode="torch")
     torch.manual_seed(7)
     assert torch.equal(a, x + torch.nn.functional.dropout(y, 0.2, True))
+
+
+def test_a_second_model_with_other_kernels_leaves_the_first_unchanged():
+    """``model.kernels`` lives on each model's modules: building a ``torch`` model after an ``auto`` one
+    changes neither how the ``auto`` model computes (dropout masks, attention) nor its MoCE dispatch."""
+    cfg = ModelConfig(arch="moce", d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64,
+                      max_positions=64, dropout=0.2, attention_dropout=0.1)
+    torch.manual_seed(0)
+    first = build_model(cfg, 268).to(torch.bfloat16).train()
+    src, tgt = torch.randint(4, 268, (3, 9)), torch.randint(4, 268, (3, 7))
+
+    def run():
+        torch.manual_seed(3)
+        return first(src, tgt).float()
+
+    before = run()
+    torch.manual_seed(0)
+    second = build_model(dataclasses.replace(cfg, kernels="torch"), 268).to(torch.bfloat16).train()
+    assert torch.equal(run(), before)
+    z = torch.zeros(3, 3, 4, 9, 8)
+    assert first.encoder_layers[0].self_attn.variant.routed_path(z)  # auto: routed on CPU
+    assert not second.encoder_layers[0].self_attn.variant.routed_path(z)  # torch: the dense bank
+    torch.manual_seed(3)
+    assert not torch.equal(second(src, tgt).float(), before)  # the torch family draws other masks

@@ -6,6 +6,7 @@ import torch
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import ModelConfig, build_model, count_parameters
+from scaletrain.models.config import LobefConfig
 from scaletrain.models.lobef import NGramFusion, word_block_mask, word_groups
 from scaletrain.vocab import BYTE_OFFSET, EOS, PAD
 
@@ -92,7 +93,7 @@ def test_ncf_right_padding_does_not_change_real_positions():
 def test_ncf_parameter_delta():
     assert sum(p.numel() for p in NGramFusion(512, [1, 2, 3, 4]).parameters()) == 2_360_836
     assert sum(p.numel() for p in NGramFusion(D, [1, 2, 3, 4]).parameters()) == 9 * D * D + 3 * D + 4
-    m = build_model(cfg(arch="byte_ncf", byte_encoder_layers=2, encoder_layers=1), V)
+    m = build_model(cfg(arch="byte_ncf", lobef=LobefConfig(byte_layers=2), encoder_layers=1), V)
     c = count_parameters(m)
     dense3 = build_model(cfg(encoder_layers=3), V)
     assert c["total"] - count_parameters(dense3)["total"] == 9 * D * D + 3 * D + 4
@@ -101,8 +102,8 @@ def test_ncf_parameter_delta():
 
 
 def test_ncf_bad_ngrams_rejected():
-    with pytest.raises(ScaletrainError, match="model.ncf_ngrams"):
-        build_model(cfg(arch="byte_ncf", ncf_ngrams=[1, 0]), V)
+    with pytest.raises(ScaletrainError, match="model.lobef.ngrams"):
+        build_model(cfg(arch="byte_ncf", lobef=LobefConfig(ngrams=[1, 0])), V)
 
 
 # ---- Byte-WSF ------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_sentence_without_separators_is_one_block():
 
 def test_wsf_mask_is_applied_per_sentence_and_per_head():
     torch.manual_seed(0)
-    m = build_model(cfg(arch="byte_wsf", byte_encoder_layers=2, encoder_layers=1, n_heads=2), V).eval()
+    m = build_model(cfg(arch="byte_wsf", lobef=LobefConfig(byte_layers=2), encoder_layers=1, n_heads=2), V).eval()
     a = [260] + ids("ab cde fg") + [EOS]
     b = [261] + ids("hello") + [EOS]
     src = torch.zeros(2, len(a), dtype=torch.long)
@@ -176,8 +177,8 @@ def test_wsf_mask_is_applied_per_sentence_and_per_head():
 
 
 def test_wsf_adds_no_parameters_and_rejects_bad_separators():
-    m = build_model(cfg(arch="byte_wsf", byte_encoder_layers=2, encoder_layers=1), V)
+    m = build_model(cfg(arch="byte_wsf", lobef=LobefConfig(byte_layers=2), encoder_layers=1), V)
     dense = build_model(cfg(encoder_layers=3), V)
     assert count_parameters(m)["total"] == count_parameters(dense)["total"]
-    with pytest.raises(ScaletrainError, match="model.wsf_separators"):
-        build_model(cfg(arch="byte_wsf", wsf_separators=[300]), V)
+    with pytest.raises(ScaletrainError, match="model.lobef.separators"):
+        build_model(cfg(arch="byte_wsf", lobef=LobefConfig(separators=[300])), V)

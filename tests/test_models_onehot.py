@@ -8,6 +8,7 @@ import torch
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import ModelConfig, build_model, count_parameters
+from scaletrain.models.config import OneHotConfig
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.vocab import PAD
 
@@ -76,7 +77,7 @@ def test_exactly_three_learnable_scalars_initialised_to_sqrt_d():
 
 
 def test_constant_scales_option():
-    m = make(onehot_learnable_scales=False)
+    m = make(onehot=OneHotConfig(learnable_scales=False))
     assert len(list(m.embeddings.parameters())) == 0
     src, _ = toks()
     x = m.embeddings.encoder_input(src)
@@ -129,7 +130,7 @@ def test_decoder_input_dropout_deletes_about_half_the_tokens():
 
 
 def test_onehot_unshared_output_is_learned_matrix_lobef_style():
-    m = make(share_embeddings=False, onehot_learnable_scales=False, encoder_input_dropout=True)
+    m = make(share_embeddings=False, onehot=OneHotConfig(learnable_scales=False), encoder_input_dropout=True)
     c = count_parameters(m)
     assert c["embeddings"] == V * D  # only the learned output projection
     src, tgt = toks()

@@ -34,10 +34,10 @@ LEARNED = ["model.d_model=32", "model.encoder_layers=2"]
 ONEHOT = ["model.d_model=272", "model.encoder_layers=1"]
 VARIANTS = {
     "embeddingless": ONEHOT,
-    "byte_ncf": ONEHOT + ["model.byte_encoder_layers=1"],
-    "byte_wsf": ONEHOT + ["model.byte_encoder_layers=1"],
-    "msc": LEARNED + ["model.conv_kernels=[0,3,5,7]"],
-    "msha": LEARNED + ["model.conv_kernels=[0,1,3,5]"],
+    "byte_ncf": ONEHOT + ["model.lobef.byte_layers=1"],
+    "byte_wsf": ONEHOT + ["model.lobef.byte_layers=1"],
+    "msc": LEARNED + ["model.conv.kernels=[0,3,5,7]"],
+    "msha": LEARNED + ["model.conv.kernels=[0,1,3,5]"],
     "moce_d5": LEARNED,
     "moce_d6_lid": LEARNED,
 }
@@ -106,7 +106,7 @@ def test_variant_trains_saves_loads_decodes(recipe, django_shards, tmp_path, iso
     langs = trainer.vocab.langs
     metrics = trainer.logger.last_routing
     if cfg.model.arch == "moce":
-        check_routing_metrics(metrics, langs, cfg.model.conv_kernels)
+        check_routing_metrics(metrics, langs, cfg.model.conv.kernels)
         assert routing_metrics(trainer.engine.module, langs) == {}  # consumed by the loop
     else:
         assert metrics == {}
@@ -127,5 +127,5 @@ def test_moce_two_ranks_deepspeed_launcher(django_shards, tmp_path):
     model, cfg, vocab, state = two_rank_training(
         out, "moce_d5_lid", f"data.shards={django_shards}", f"train.out_dir={out}", *COMMON, *LEARNED,
         "train.max_steps=10", tmp_path=tmp_path)
-    assert cfg.model.arch == "moce" and cfg.model.moce_lid and state["world_size"] == 2
+    assert cfg.model.arch == "moce" and cfg.model.moce.lid and state["world_size"] == 2
     check_decoding(model, valid_examples(django_shards))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from scaletrain.models import ModelConfig, available_models, build_model, count_parameters
+from scaletrain.models.config import ConvConfig, LobefConfig, MoCEConfig
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.vocab import PAD
 
@@ -14,12 +15,12 @@ V = 270
 ARCHS = {
     "transformer": dict(),
     "transformer_onehot": dict(arch="transformer", embedding="onehot", d_model=288, n_heads=4, ffn_dim=64),
-    "byte_ncf": dict(arch="byte_ncf", byte_encoder_layers=2, encoder_layers=1),
-    "byte_wsf": dict(arch="byte_wsf", byte_encoder_layers=1, encoder_layers=1),
-    "msc": dict(arch="msc", conv_kernels=[0, 1, 3, 5], conv_layers=[0, 1]),
-    "msha": dict(arch="msha", conv_kernels=[0, 1, 3, 5], conv_layers=[0, 1]),
-    "moce": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7]),
-    "moce_lid": dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7], moce_lid=True, moce_top_k=3),
+    "byte_ncf": dict(arch="byte_ncf", lobef=LobefConfig(byte_layers=2), encoder_layers=1),
+    "byte_wsf": dict(arch="byte_wsf", lobef=LobefConfig(byte_layers=1), encoder_layers=1),
+    "msc": dict(arch="msc", conv=ConvConfig(kernels=[0, 1, 3, 5], layers=[0, 1])),
+    "msha": dict(arch="msha", conv=ConvConfig(kernels=[0, 1, 3, 5], layers=[0, 1])),
+    "moce": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7])),
+    "moce_lid": dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7]), moce=MoCEConfig(lid=True, top_k=3)),
 }
 
 
@@ -113,14 +114,14 @@ def test_one_training_step_reaches_every_parameter(name):
 PAPER = [
     # (config, paper total, exact delta vs dense byte Transformer)
     (dict(), 44.3e6, 0),
-    (dict(arch="byte_ncf", byte_encoder_layers=4, encoder_layers=2), 46.7e6, 9 * 512**2 + 3 * 512 + 4),
-    (dict(arch="byte_wsf", byte_encoder_layers=2, encoder_layers=4), 44.1e6, 0),
-    (dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9]), 44.4e6, 64**2 * 25 + 5 * 64 + 6 * 64),
-    (dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9], moce_lid=True), 44.4e6, 64**2 * 25 + 5 * 64 + 6 * 128),
-    (dict(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9, 11]), 44.5e6, 64**2 * 36 + 6 * 64 + 7 * 64),
+    (dict(arch="byte_ncf", lobef=LobefConfig(byte_layers=4), encoder_layers=2), 46.7e6, 9 * 512**2 + 3 * 512 + 4),
+    (dict(arch="byte_wsf", lobef=LobefConfig(byte_layers=2), encoder_layers=4), 44.1e6, 0),
+    (dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9])), 44.4e6, 64**2 * 25 + 5 * 64 + 6 * 64),
+    (dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9]), moce=MoCEConfig(lid=True)), 44.4e6, 64**2 * 25 + 5 * 64 + 6 * 128),
+    (dict(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9, 11])), 44.5e6, 64**2 * 36 + 6 * 64 + 7 * 64),
     # MoCE paper's MSC row (44.4M) matches MSC in ONE layer; MSHA is not in the paper
-    (dict(arch="msc", conv_kernels=[0, 0, 3, 3, 5, 5, 7, 7], conv_layers=[0]), 44.4e6, 64**2 * 30 + 6 * 64),
-    (dict(arch="msha", conv_kernels=[0, 0, 1, 1, 3, 5, 7, 9], conv_layers=[0]), None, 64**2 * 26 + 6 * 64),
+    (dict(arch="msc", conv=ConvConfig(kernels=[0, 0, 3, 3, 5, 5, 7, 7], layers=[0])), 44.4e6, 64**2 * 30 + 6 * 64),
+    (dict(arch="msha", conv=ConvConfig(kernels=[0, 0, 1, 1, 3, 5, 7, 9], layers=[0])), None, 64**2 * 26 + 6 * 64),
 ]
 
 
@@ -145,13 +146,13 @@ def test_flops_estimate_counts_the_variant_extras():
 
     S, T = 100, 80
     base = estimate_flops_per_token(ModelConfig(), S, T, 360)
-    moce = estimate_flops_per_token(ModelConfig(arch="moce", conv_kernels=[0, 1, 3, 5, 7, 9]), S, T, 360)
+    moce = estimate_flops_per_token(ModelConfig(arch="moce", conv=ConvConfig(kernels=[0, 1, 3, 5, 7, 9])), S, T, 360)
     assert moce - base == pytest.approx(6 * 3 * S * 8 * 64 * 64 * 25 / T)
-    msc = estimate_flops_per_token(ModelConfig(arch="msc", conv_kernels=[0, 0, 3, 3, 5, 5, 7, 7]), S, T, 360)
+    msc = estimate_flops_per_token(ModelConfig(arch="msc", conv=ConvConfig(kernels=[0, 0, 3, 3, 5, 5, 7, 7])), S, T, 360)
     assert msc - base == pytest.approx(6 * S * 64 * 64 * 30 / T)
-    ncf = estimate_flops_per_token(ModelConfig(arch="byte_ncf", byte_encoder_layers=4, encoder_layers=2), S, T, 360)
+    ncf = estimate_flops_per_token(ModelConfig(arch="byte_ncf", lobef=LobefConfig(byte_layers=4), encoder_layers=2), S, T, 360)
     assert ncf - base == pytest.approx(6 * S * 512 * 512 * 3 / T)
-    wsf = estimate_flops_per_token(ModelConfig(arch="byte_wsf", byte_encoder_layers=2, encoder_layers=4), S, T, 360)
+    wsf = estimate_flops_per_token(ModelConfig(arch="byte_wsf", lobef=LobefConfig(byte_layers=2), encoder_layers=4), S, T, 360)
     assert wsf == pytest.approx(base)
 
 

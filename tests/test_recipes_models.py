@@ -64,7 +64,7 @@ def test_model_summary_matches_paper_counts(recipe, paper, exact, capsys):
 
 
 def test_summary_json_overrides_and_vocab(capsys):
-    assert main(["model", "summary", "moce_d5", "model.conv_kernels=[0,1,3]", "--langs", "5", "--json"]) == 0
+    assert main(["model", "summary", "moce_d5", "model.conv.kernels=[0,1,3]", "--langs", "5", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["vocab_size"] == 265 and s["arch"] == "moce" and s["recipe"] == "moce_d5"
     assert s["variant"] == 64**2 * 4 + 2 * 64 + 3 * 64
@@ -77,8 +77,8 @@ def test_summary_json_overrides_and_vocab(capsys):
 
 
 def test_summary_bad_input_names_the_key(capsys):
-    assert main(["model", "summary", "moce_d5", "model.conv_kernels=[0,2]"]) == 2
-    assert "model.conv_kernels" in capsys.readouterr().err
+    assert main(["model", "summary", "moce_d5", "model.conv.kernels=[0,2]"]) == 2
+    assert "model.conv.kernels" in capsys.readouterr().err
     assert main(["model", "summary", "msc", "model.no_such_key=1"]) == 2
     assert "model.no_such_key" in capsys.readouterr().err
     assert main(["model", "summary", "embeddingless", "model.d_model=256"]) == 2  # one-hot needs V <= d
@@ -88,27 +88,27 @@ def test_summary_bad_input_names_the_key(capsys):
 def test_recipes_reproduce_the_papers_settings():
     e = load_config("embeddingless")
     m = e.model
-    assert (m.embedding, m.onehot_learnable_scales, m.share_embeddings) == ("onehot", True, True)
+    assert (m.embedding, m.onehot.learnable_scales, m.share_embeddings) == ("onehot", True, True)
     assert (m.encoder_input_dropout, m.decoder_input_dropout, m.decoder_last_layer_dropout) == (False, True, False)
     assert (m.n_heads, m.ffn_dim, m.dropout) == (4, 1024, 0.3)
     assert e.optim.weight_decay == 1e-4 and e.engine.precision == "fp32"
     assert e.data.max_tokens * e.engine.grad_accum == 64_000 and e.train.max_steps == 50_000
 
     ncf, wsf = load_config("byte_ncf"), load_config("byte_wsf")
-    assert (ncf.model.byte_encoder_layers, ncf.model.encoder_layers, ncf.model.ncf_ngrams) == (4, 2, [1, 2, 3, 4])
-    assert (wsf.model.byte_encoder_layers, wsf.model.encoder_layers, wsf.model.wsf_separators) == (2, 4, [32])
+    assert (ncf.model.lobef.byte_layers, ncf.model.encoder_layers, ncf.model.lobef.ngrams) == (4, 2, [1, 2, 3, 4])
+    assert (wsf.model.lobef.byte_layers, wsf.model.encoder_layers, wsf.model.lobef.separators) == (2, 4, [32])
     for c in (ncf, wsf):  # LOBEF: one-hot inputs at constant sqrt(d), learned unshared output projection
-        assert (c.model.embedding, c.model.share_embeddings, c.model.onehot_learnable_scales) == ("onehot", False, False)
+        assert (c.model.embedding, c.model.share_embeddings, c.model.onehot.learnable_scales) == ("onehot", False, False)
         assert c.optim.eps == 1e-6 and c.optim.weight_decay == 1e-4 and c.data.max_tokens * c.engine.grad_accum == 21_000
     assert ncf.model.encoder_input_dropout is False
 
     for delta in (4, 5, 6):
         for lid in (False, True):
             c = load_config(f"moce_d{delta}" + ("_lid" if lid else ""))
-            assert c.model.conv_kernels == [0] + [2 * i + 1 for i in range(delta)]  # E = Delta + 1
-            assert (c.model.moce_lid, c.model.moce_top_k, c.model.conv_layers) == (lid, 2, [0])
+            assert c.model.conv.kernels == [0] + [2 * i + 1 for i in range(delta)]  # E = Delta + 1
+            assert (c.model.moce.lid, c.model.moce.top_k, c.model.conv.layers) == (lid, 2, [0])
             assert c.train.seed == 222 and c.optim.clip_norm == 0.0 and c.optim.warmup_steps == 4000
             tokens = c.data.max_tokens * c.engine.grad_accum * 4  # 4 GPUs
             assert tokens == (65_536 if delta == 4 else 131_072)  # TED-59 (Delta 4 only) vs OPUS-100
-    assert load_config("msc").model.conv_kernels == [0, 0, 3, 3, 5, 5, 7, 7]
-    assert load_config("msha").model.conv_kernels == [0, 0, 1, 1, 3, 5, 7, 9]
+    assert load_config("msc").model.conv.kernels == [0, 0, 3, 3, 5, 5, 7, 7]
+    assert load_config("msha").model.conv.kernels == [0, 0, 1, 1, 3, 5, 7, 9]

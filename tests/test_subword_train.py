@@ -31,12 +31,13 @@ from scaletrain.vocab import SubwordVocab
 N_SPM = 600
 COMMON = [
     "model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-    "model.dropout=0.1", "model.max_positions=64", "model.char_dim=8", "model.char_max_len=12",
+    "model.dropout=0.1", "model.max_positions=64",
     f"data.spm_vocab_size={N_SPM}", "data.max_bytes=30", "data.max_tokens=1200", "optim.lr=3e-3", "optim.warmup_steps=4", "optim.warmup_init_lr=0",
     "train.max_steps=10", "train.log_every=5", "train.valid_every=0", "train.valid_max_batches=2",
     "train.save_every=0", "train.resume=false", "tracking.enabled=false", "engine.precision=fp32",
     "engine.grad_accum=1", "engine.backend=deepspeed", "engine.ds_config=ds_configs/zero0.json",
 ]
+CG = ["model.charaware.dim=8", "model.charaware.max_len=12"]  # subword_cg only (embedding charaware)
 MAX_OUT = 6
 
 
@@ -85,7 +86,7 @@ def test_subword_recipes_train_save_load_decode(recipe, spm_shards, tmp_path, is
 
     out = tmp_path / "run"
     cfg = load_config(recipe, [f"data.shards={spm_shards}", f"train.out_dir={out}",
-                               *COMMON])
+                               *COMMON, *(CG if recipe == "subword_cg" else [])])
     trainer = Trainer(cfg)
     assert isinstance(trainer.vocab, SubwordVocab) and trainer.vocab.size == N_SPM + len(trainer.vocab.langs)
     res = trainer.fit()
@@ -128,7 +129,7 @@ def test_subword_checkpoint_through_evaluate_translate_and_average(spm_shards, t
     from scaletrain.train import Trainer
 
     out = tmp_path / "run"
-    cfg = load_config("subword_cg", [f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON,
+    cfg = load_config("subword_cg", [f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON, *CG,
                                      "train.save_every=5", "train.keep_last=3"])
     trainer = Trainer(cfg)
     trainer.fit()
@@ -158,6 +159,6 @@ def test_subword_checkpoint_through_evaluate_translate_and_average(spm_shards, t
 def test_subword_cg_two_ranks_deepspeed_launcher(spm_shards, tmp_path):
     out = tmp_path / "run"
     model, cfg, vocab, state = two_rank_training(
-        out, "subword_cg", f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON, tmp_path=tmp_path)
+        out, "subword_cg", f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON, *CG, tmp_path=tmp_path)
     assert cfg.model.embedding == "charaware" and state["world_size"] == 2 and isinstance(vocab, SubwordVocab)
     check_decoding(model, vocab, valid_examples(spm_shards))

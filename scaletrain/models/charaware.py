@@ -2,14 +2,15 @@
 for Neural Machine Translation"), as an ``Embeddings`` plug-in of the Transformer core.
 
 For every target vocabulary type v (a subword piece) the composition (paper section 4, after Kim et
-al. 2016) reads its spelling ``<w> c_1 .. c_n </w>``:
+al. 2016) reads its spelling ``<w> c_1 .. c_n </w>`` (the keys named are those of ``model.charaware``;
+char_dim = ``dim``):
 
     char embeddings [n+2, char_dim]
-      -> one Conv1d per kernel width k in ``char_kernels`` (3, 4, 5, 6), ``char_filters`` outputs each
+      -> one Conv1d per kernel width k in ``kernels`` (3, 4, 5, 6), ``filters`` outputs each
       -> max over positions, tanh  (tanh is monotonic, so max-then-tanh == tanh-then-max, and the
          large [V, filters, chars] tensor is never kept for the backward pass)
       -> concatenation [V, T], T = filters * len(kernels)
-      -> ``char_highway_layers`` highway layers (t = sigmoid(W_t y + b_t), b_t init -2;
+      -> ``highway_layers`` highway layers (t = sigmoid(W_t y + b_t), b_t init -2;
          y' = t * relu(W_h y + b_h) + (1 - t) * y)
       -> (only when T != d_model: a linear map T -> d_model)
       -> times d_model ** -0.5: w_comp^v
@@ -18,8 +19,8 @@ and mixes it with a standard learned row w_std^v by a learned per-type gate (pap
 
     g^v = sigmoid(w_gate^v),   w_mix^v = g^v * w_std^v + (1 - g^v) * w_comp^v
 
-``char_gate: vector`` (default) is the paper's gate, g^v in [0, 1]^d: one gate VECTOR per type;
-``char_gate: scalar`` is one gate value per type (V parameters instead of V*d). w_gate starts at 0
+``gate: vector`` (default) is the paper's gate, g^v in [0, 1]^d: one gate VECTOR per type;
+``gate: scalar`` is one gate value per type (V parameters instead of V*d). w_gate starts at 0
 (g = 0.5, the paper regularises it towards 0; its gate dropout, which "did not affect performance
 noticeably" (paper footnote 3), is not implemented). The mixed matrix E [V, d] is SHARED by the
 decoder input embedding and the softmax (``logits = h E^T``): the paper sets w_o = w_s = w_mix.
@@ -32,8 +33,8 @@ Choices beyond the paper (documented here, tested in tests/test_models_charaware
   only over windows that START inside the spelling, so a type's composed vector depends on its own
   characters only: not on the table width, nor on other types (no window covers padding alone;
   spellings shorter than a kernel still get windows, padded with zeros).
-- Length cap: a piece longer than ``char_max_len`` characters keeps its first ``char_max_len``
-  characters (then ``</w>``); the char table is [V, char_max_len + 2].
+- Length cap: a piece longer than ``max_len`` characters keeps its first ``max_len``
+  characters (then ``</w>``); the char table is [V, max_len + 2].
 - Characters are Unicode code points; SentencePiece's word-start mark U+2581 is kept as a character.
   The char vocabulary is the sorted set of code points of the (truncated) pieces; char id 0 = pad,
   1 = ``<w>``, 2 = ``</w>``, then the code points in increasing order.
@@ -126,9 +127,10 @@ class Highway(nn.Module):
 
 
 def charaware_filters(cfg: ModelConfig) -> int:
-    """Output channels per kernel width: ``char_filters``, or 0 -> d_model / len(char_kernels)
+    """Output channels per kernel width: ``model.charaware.filters``, or 0 -> d_model / len(kernels)
     (the paper: "1/4 of the final desired embedding size" with 4 kernels)."""
-    return cfg.char_filters or max(1, cfg.d_model // len(cfg.char_kernels))
+    ca = cfg.charaware
+    return ca.filters or max(1, cfg.d_model // len(ca.kernels))
 
 
 def charaware_parameter_count(cfg: ModelConfig, vocab_size: int, n_chars: int) -> int:
@@ -140,14 +142,15 @@ def charaware_parameter_count(cfg: ModelConfig, vocab_size: int, n_chars: int) -
         + L * 2 * (T*T + T)                            highway layers, T = F * len(kernels)
         + [T*d + d if T != d]                          projection
     """
-    d, c, V = cfg.d_model, cfg.char_dim, vocab_size
+    ca = cfg.charaware
+    d, c, V = cfg.d_model, ca.dim, vocab_size
     f = charaware_filters(cfg)
-    t = f * len(cfg.char_kernels)
-    n = V * d + (V * d if cfg.char_gate == "vector" else V)
+    t = f * len(ca.kernels)
+    n = V * d + (V * d if ca.gate == "vector" else V)
     n += 0 if cfg.share_embeddings else V * d
     n += (n_chars + CHAR_OFFSET) * c
-    n += sum(k * c * f + f for k in cfg.char_kernels)
-    n += cfg.char_highway_layers * 2 * (t * t + t)
+    n += sum(k * c * f + f for k in ca.kernels)
+    n += ca.highway_layers * 2 * (t * t + t)
     n += 0 if t == d else t * d + d
     return n
 
@@ -165,7 +168,8 @@ class CharAwareEmbeddings(Embeddings):
                 f"model.embedding=charaware: pieces must be strings ('' for specials and language tags); "
                 f"id {bad[0]} is {pieces[bad[0]]!r}"
             )
-        code_points, table = char_table(pieces, cfg.char_max_len)
+        ca = cfg.charaware
+        code_points, table = char_table(pieces, ca.max_len)
         if not code_points:
             raise ScaletrainError(
                 "model.embedding=charaware: no piece has any character (all are ''); pass the subword "
@@ -173,7 +177,7 @@ class CharAwareEmbeddings(Embeddings):
             )
         V, d = len(pieces), cfg.d_model
         self.vocab_size, self.dim = V, d
-        self.kernels = list(cfg.char_kernels)
+        self.kernels = list(ca.kernels)
         self.scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
         self.comp_scale = d**-0.5
         self.register_buffer("char_ids", table)  # persistent: the checkpoint carries the spellings
@@ -186,13 +190,13 @@ class CharAwareEmbeddings(Embeddings):
         else:
             self.encoder_weight = nn.Parameter(torch.empty(V, d))
             _init_embedding(self.encoder_weight, d)
-        self.gate_weight = nn.Parameter(torch.zeros(V, d if cfg.char_gate == "vector" else 1))
+        self.gate_weight = nn.Parameter(torch.zeros(V, d if ca.gate == "vector" else 1))
 
         f = charaware_filters(cfg)
         t = f * len(self.kernels)
-        self.char_embed = nn.Embedding(len(code_points) + CHAR_OFFSET, cfg.char_dim, padding_idx=CHAR_PAD)
-        self.convs = nn.ModuleList(nn.Conv1d(cfg.char_dim, f, k) for k in self.kernels)
-        self.highways = nn.ModuleList(Highway(t) for _ in range(cfg.char_highway_layers))
+        self.char_embed = nn.Embedding(len(code_points) + CHAR_OFFSET, ca.dim, padding_idx=CHAR_PAD)
+        self.convs = nn.ModuleList(nn.Conv1d(ca.dim, f, k) for k in self.kernels)
+        self.highways = nn.ModuleList(Highway(t) for _ in range(ca.highway_layers))
         self.proj = nn.Linear(t, d) if t != d else None
 
         self._pending: Optional[torch.Tensor] = None  # E of this training forward: decoder_input -> output

@@ -5,7 +5,7 @@
 - ``moce``: Ada-MSHA / MoCE, per token and head a top-k mixture of experts {identity, Conv k=1,3,..}
   applied to q, k and v; one expert bank and one router per layer, shared by heads and by Q/K/V.
 
-Each is a ``SelfAttention`` subclass plugged into the chosen encoder layers (``model.conv_layers``)
+Each is a ``SelfAttention`` subclass plugged into the chosen encoder layers (``model.conv.layers``)
 through the core's ``encoder_self_attn`` factory. Extra weights live under ``.variant.`` so
 ``count_parameters`` can report them.
 
@@ -22,25 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.errors import ScaletrainError
-from scaletrain.models import kernels as kernel_impl
 from scaletrain.models.config import ModelConfig
+from scaletrain.models.embeddings import make_embeddings
 from scaletrain.models.moce_routed import routed_experts
 from scaletrain.models.registry import register_model
 from scaletrain.models.transformer import EncoderContext, SelfAttention, Transformer
 from scaletrain.vocab import LANG_OFFSET, PAD
-
-
-def _check_kernels(kernels, key: str = "conv_kernels") -> list[int]:
-    ks = list(kernels)
-    if not ks:
-        raise ScaletrainError(f"model.{key}: give at least one kernel size (0 = identity)")
-    for k in ks:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or (k > 0 and k % 2 == 0):
-            raise ScaletrainError(
-                f"model.{key}: kernel sizes must be 0 (identity) or odd positive integers, got {k!r} in {ks}"
-            )
-    return ks
 
 
 def _conv_init(weight: torch.Tensor, bias: torch.Tensor) -> None:
@@ -108,8 +95,8 @@ class MSCAttention(SelfAttention):
     """MSC: the layer input, split into head-sized chunks, is convolved per chunk, then projected."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.variant = PerHeadConv(cfg.conv_kernels, self.head_dim)
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
+        self.variant = PerHeadConv(cfg.conv.kernels, self.head_dim)
 
     def transform_input(self, x: torch.Tensor, ctx: EncoderContext) -> torch.Tensor:
         x = zero_pads(x, ctx.pad_mask)
@@ -120,8 +107,8 @@ class MSHAAttention(SelfAttention):
     """MSHA: head h's q, k and v each go through that head's convolution (q before scaling)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.variant = PerHeadConv(cfg.conv_kernels, self.head_dim)
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
+        self.variant = PerHeadConv(cfg.conv.kernels, self.head_dim)
 
     def transform_qkv(self, q, k, v, ctx: EncoderContext):
         B = q.shape[0]
@@ -139,7 +126,8 @@ class MoCEExperts(nn.Module):
     selected (fp32), output = sum of the k weighted experts.
     """
 
-    def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int):
+    def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int, *,
+                 dispatch: str = "auto", kernel_mode: str = "auto"):
         super().__init__()
         self.kernels = list(kernels)
         self.head_dim = head_dim
@@ -170,7 +158,8 @@ class MoCEExperts(nn.Module):
             j += k > 0
         self.register_buffer("conv_slot", torch.tensor(slots, dtype=torch.long), persistent=False)
         self.collect_stats = True
-        self.dispatch = "auto"  # auto | dense | routed (model.moce_dispatch)
+        self.dispatch = dispatch  # auto | dense | routed (model.moce.dispatch)
+        self.kernel_mode = kernel_mode  # model.kernels: auto lets dispatch auto take the routed path on CPU
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
@@ -265,7 +254,7 @@ class MoCEExperts(nn.Module):
         """Evaluate only the routed slots (``moce_routed``) instead of the dense one-conv bank: on CPU
         with ``model.kernels: auto`` (needs host-side counts, free on CPU, a device sync elsewhere)."""
         return self.dispatch == "routed" or (self.dispatch == "auto" and z.device.type == "cpu"
-                                             and kernel_impl.current() == "auto")
+                                             and self.kernel_mode == "auto")
 
     # ---- statistics (device-side accumulation, no host sync) ---------------------------
     @torch.no_grad()
@@ -313,12 +302,11 @@ class AdaMSHAAttention(SelfAttention):
     """Ada-MSHA (MoCE): q, k, v of every head go through the routed expert mixture, then SDPA."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
-        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.route_scaled_q = cfg.moce_route_scaled_q
-        self.variant = MoCEExperts(
-            cfg.conv_kernels, self.head_dim, cfg.moce_top_k, cfg.moce_lid, vocab_size - LANG_OFFSET
-        )
-        self.variant.dispatch = cfg.moce_dispatch
+        super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
+        moce = cfg.moce
+        self.route_scaled_q = moce.route_scaled_q
+        self.variant = MoCEExperts(cfg.conv.kernels, self.head_dim, moce.top_k, moce.lid, vocab_size - LANG_OFFSET,
+                                   dispatch=moce.dispatch, kernel_mode=cfg.kernels)
 
     @staticmethod
     def source_tag(src: torch.Tensor) -> torch.Tensor:
@@ -346,61 +334,27 @@ class AdaMSHAAttention(SelfAttention):
 # ---------------------------------------------------------------------------------------
 # builders
 # ---------------------------------------------------------------------------------------
-def _check_layers(cfg: ModelConfig) -> set[int]:
-    layers = list(cfg.conv_layers)
-    if not layers:
-        raise ScaletrainError("model.conv_layers: list at least one encoder layer index (e.g. [0])")
-    for i in layers:
-        if not isinstance(i, int) or not 0 <= i < cfg.encoder_layers:
-            raise ScaletrainError(
-                f"model.conv_layers: {i!r} is not an encoder layer index in [0, {cfg.encoder_layers - 1}]"
-            )
-    if len(set(layers)) != len(layers):
-        raise ScaletrainError(f"model.conv_layers: duplicate layer index in {layers}")
-    return set(layers)
-
-
-def _build(cfg: ModelConfig, vocab_size: int, make_attn) -> Transformer:
-    from scaletrain.models import make_embeddings
-
-    layers = _check_layers(cfg)
+def _build(cfg: ModelConfig, vocab_size: int, pieces, make_attn) -> Transformer:
+    """The Transformer with ``make_attn()`` as self-attention of the encoder layers ``model.conv.layers``."""
+    layers = set(cfg.conv.layers)
 
     def factory(i: int):
         return make_attn() if i in layers else None
 
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), encoder_self_attn=factory)
-
-
-def _check_per_head(cfg: ModelConfig) -> None:
-    ks = _check_kernels(cfg.conv_kernels)
-    if len(ks) != cfg.n_heads:
-        raise ScaletrainError(
-            f"model.conv_kernels: {cfg.arch} needs one kernel per head ({cfg.n_heads}), got {len(ks)}: {ks}"
-        )
+    embeddings = make_embeddings(cfg, vocab_size, pieces)
+    return Transformer(cfg, vocab_size, embeddings=embeddings, encoder_self_attn=factory)
 
 
 @register_model("msc")
-def build_msc(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    _check_per_head(cfg)
-    return _build(cfg, vocab_size, lambda: MSCAttention(cfg))
+def build_msc(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
+    return _build(cfg, vocab_size, pieces, lambda: MSCAttention(cfg))
 
 
 @register_model("msha")
-def build_msha(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    _check_per_head(cfg)
-    return _build(cfg, vocab_size, lambda: MSHAAttention(cfg))
+def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
+    return _build(cfg, vocab_size, pieces, lambda: MSHAAttention(cfg))
 
 
 @register_model("moce")
-def build_moce(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    _check_kernels(cfg.conv_kernels)
-    if not isinstance(cfg.moce_top_k, int) or cfg.moce_top_k < 1:
-        raise ScaletrainError(f"model.moce_top_k: must be a positive integer, got {cfg.moce_top_k!r}")
-    for key in ("moce_lid", "moce_route_scaled_q"):
-        if not isinstance(getattr(cfg, key), bool):
-            raise ScaletrainError(f"model.{key}: must be true or false")
-    if cfg.moce_dispatch not in ("auto", "dense", "routed"):
-        raise ScaletrainError(f"model.moce_dispatch: expected auto, dense or routed, got {cfg.moce_dispatch!r}")
-    if cfg.moce_lid and vocab_size <= LANG_OFFSET:
-        raise ScaletrainError("model.moce_lid: needs language tags in the vocabulary (source tag at src position 0)")
-    return _build(cfg, vocab_size, lambda: AdaMSHAAttention(cfg, vocab_size))
+def build_moce(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
+    return _build(cfg, vocab_size, pieces, lambda: AdaMSHAAttention(cfg, vocab_size))

@@ -15,6 +15,10 @@ Two measured problems of stock PyTorch (2.13) on CPU, both in the training step 
 CUDA always uses PyTorch's fused kernels) and ``torch`` always uses ``F.scaled_dot_product_attention``
 and ``F.dropout``. Both draw their randomness from the default generator, so seeds and exact resume
 behave the same way with either.
+
+There is no process-wide mode: every function takes ``mode``, and each module that calls them keeps
+its own in a ``kernel_mode`` attribute, set from ``model.kernels`` when the model is built
+(``set_mode`` changes it for a built model). Models built with different modes coexist.
 """
 from __future__ import annotations
 
@@ -22,26 +26,23 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-KERNELS = ("auto", "torch")
-_mode = "auto"
-
-
-def configure(mode: str) -> None:
-    """Select the kernel family for every model in this process (``model.kernels``)."""
-    global _mode
-    if mode not in KERNELS:
-        raise ValueError(f"model.kernels={mode!r}: expected one of {', '.join(KERNELS)}")
-    _mode = mode
+from scaletrain.models.config import KERNEL_MODES
 
 
-def current() -> str:
-    return _mode
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Switch every module of ``model`` that calls these kernels (``kernel_mode``) to ``mode``."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel mode {mode!r}: expected one of {', '.join(KERNEL_MODES)}")
+    for m in model.modules():
+        if hasattr(m, "kernel_mode"):
+            m.kernel_mode = mode
 
 
-def _use_bmm_attention(q: torch.Tensor) -> bool:
+def _use_bmm_attention(q: torch.Tensor, mode: str) -> bool:
     return (
-        _mode == "auto"
+        mode == "auto"
         and q.device.type == "cpu"
         and q.dtype in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
@@ -50,15 +51,16 @@ def _use_bmm_attention(q: torch.Tensor) -> bool:
 
 
 def attention(q, k, v, mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-              scale: Optional[float] = None, dropout_p: float = 0.0, impl: Optional[str] = None) -> torch.Tensor:
+              scale: Optional[float] = None, dropout_p: float = 0.0, impl: Optional[str] = None,
+              mode: str = "auto") -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` over [B, H, T, Dh]; ``mask`` is bool, True = may attend.
 
-    ``impl``: ``"sdpa"``, ``"bmm"`` or None (decide from ``model.kernels`` and the tensors).
+    ``impl``: ``"sdpa"``, ``"bmm"`` or None (decide from ``mode``, i.e. ``model.kernels``, and the tensors).
     Rows whose keys are all masked (only padding queries of some variants) give a uniform average
     on the bmm path instead of NaN; real positions are identical between the two paths up to round-off.
     """
     if impl is None:
-        impl = "bmm" if _use_bmm_attention(q) else "sdpa"
+        impl = "bmm" if _use_bmm_attention(q, mode) else "sdpa"
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale)
@@ -73,7 +75,7 @@ def attention(q, k, v, mask: Optional[torch.Tensor] = None, is_causal: bool = Fa
         s.masked_fill_(~mask, torch.finfo(s.dtype).min)
     p = torch.softmax(s, dim=-1)
     if dropout_p > 0.0:
-        p = dropout(p, dropout_p, True)
+        p = dropout(p, dropout_p, True, mode)
     return torch.matmul(p, v)
 
 
@@ -99,11 +101,11 @@ def keep_mask(shape, p: float, device=None) -> torch.Tensor:
     return lanes.ge(int(_lane_p(p) * _LANES)).view(shape)
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``F.dropout`` (inverted scaling); on CPU under ``model.kernels=auto`` with a faster mask."""
+def dropout(x: torch.Tensor, p: float, training: bool, mode: str = "auto") -> torch.Tensor:
+    """``F.dropout`` (inverted scaling); on CPU under mode ``auto`` with a faster mask."""
     if not training or p == 0.0:
         return x
-    if _mode != "auto" or x.device.type != "cpu" or p >= 1.0:
+    if mode != "auto" or x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, True)
     q = _lane_p(p)
     if q >= 1.0:
@@ -111,12 +113,12 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return x * keep_mask(x.shape, p) * (1.0 / (1.0 - q))
 
 
-def residual_dropout(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``x + dropout(y)``; on CPU under ``model.kernels=auto`` one fused ``addcmul`` with the 0/1 mask
+def residual_dropout(x: torch.Tensor, y: torch.Tensor, p: float, training: bool, mode: str = "auto") -> torch.Tensor:
+    """``x + dropout(y)``; on CPU under mode ``auto`` one fused ``addcmul`` with the 0/1 mask
     (the 1/(1-p) scale is applied in fp32 inside the op, so bf16 keeps it exact)."""
     if not training or p == 0.0:
         return x + y
-    if _mode != "auto" or y.device.type != "cpu" or p >= 1.0 or x.dtype != y.dtype:
+    if mode != "auto" or y.device.type != "cpu" or p >= 1.0 or x.dtype != y.dtype:
         return x + F.dropout(y, p, True)
     q = _lane_p(p)
     if q >= 1.0:

@@ -1,10 +1,10 @@
 """LOBEF encoder front-ends (MODELS.md sections 3, 4; pitfalls 8.1-8.3): Byte-nCF and Byte-WSF.
 
-Both replace the first ``model.byte_encoder_layers`` encoder layers with a front-end that owns its
+Both replace the first ``model.lobef.byte_layers`` encoder layers with a front-end that owns its
 own (standard) byte layers; ``model.encoder_layers`` ordinary layers follow. The paper setups:
 nCF 4 byte layers + 2 encoder layers, WSF 2 + 4. Outputs stay at byte resolution.
 
-Byte-nCF: H = byte layers(x); for each n in ``ncf_ngrams`` (1 = identity) U_n = Conv1d(d, d, n,
+Byte-nCF: H = byte layers(x); for each n in ``model.lobef.ngrams`` (1 = identity) U_n = Conv1d(d, d, n,
 stride n) over H zero-padded on the right to a multiple of n, repeated n times along time and cut
 to T; out = sum_n w_n U_n with one learnable scalar per stream (Linear(#streams -> 1, no bias)).
 Windows are aligned to index 0, i.e. to the sentence start under the project's right padding
@@ -12,7 +12,7 @@ Windows are aligned to index 0, i.e. to the sentence start under the project's r
 sees zeros whatever the batch (the reference leaks pad states there).
 
 Byte-WSF: the byte layers attend only within words. A word is a maximal run of tokens that are
-neither a separator (``wsf_separators``, byte values, default space) nor padding; separators and
+neither a separator (``model.lobef.separators``, byte values, default space) nor padding; separators and
 pads are one-token groups of their own. So the source tag joins the first word and EOS the last,
 every position may attend to itself, a sentence without separators is one block (ordinary
 attention over its real tokens), and real queries never see pad keys. The mask is [B, 1, T, T]
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import ModelConfig
+from scaletrain.models.embeddings import make_embeddings
 from scaletrain.models.registry import register_model
 from scaletrain.models.transformer import EncoderContext, EncoderLayer, Transformer
 from scaletrain.vocab import BYTE_OFFSET, PAD
@@ -64,8 +64,8 @@ class NGramFusion(nn.Module):
 class ByteNCFFrontEnd(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.byte_encoder_layers))
-        self.variant = NGramFusion(cfg.d_model, cfg.ncf_ngrams)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.lobef.byte_layers))
+        self.variant = NGramFusion(cfg.d_model, cfg.lobef.ngrams)
 
     def forward(self, x: torch.Tensor, ctx: EncoderContext):
         for layer in self.layers:
@@ -91,9 +91,9 @@ def word_block_mask(tokens: torch.Tensor, separator_ids: torch.Tensor) -> torch.
 class ByteWSFFrontEnd(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.byte_encoder_layers))
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.lobef.byte_layers))
         self.register_buffer(
-            "separator_ids", torch.tensor([b + BYTE_OFFSET for b in cfg.wsf_separators], dtype=torch.long),
+            "separator_ids", torch.tensor([b + BYTE_OFFSET for b in cfg.lobef.separators], dtype=torch.long),
             persistent=False,
         )
 
@@ -104,28 +104,13 @@ class ByteWSFFrontEnd(nn.Module):
         return x, ctx.pad_mask
 
 
-def _check_byte_layers(cfg: ModelConfig) -> None:
-    if not isinstance(cfg.byte_encoder_layers, int) or cfg.byte_encoder_layers < 0:
-        raise ScaletrainError(f"model.byte_encoder_layers: must be a non-negative integer, got {cfg.byte_encoder_layers!r}")
-
-
 @register_model("byte_ncf")
-def build_byte_ncf(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    from scaletrain.models import make_embeddings
-
-    _check_byte_layers(cfg)
-    ng = list(cfg.ncf_ngrams)
-    if not ng or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in ng) or len(set(ng)) != len(ng):
-        raise ScaletrainError(f"model.ncf_ngrams: need distinct positive integers (1 = identity stream), got {ng}")
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), frontend=ByteNCFFrontEnd(cfg))
+def build_byte_ncf(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
+    embeddings = make_embeddings(cfg, vocab_size, pieces)
+    return Transformer(cfg, vocab_size, embeddings=embeddings, frontend=ByteNCFFrontEnd(cfg))
 
 
 @register_model("byte_wsf")
-def build_byte_wsf(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    from scaletrain.models import make_embeddings
-
-    _check_byte_layers(cfg)
-    seps = list(cfg.wsf_separators)
-    if not seps or any(not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 256 for b in seps):
-        raise ScaletrainError(f"model.wsf_separators: need byte values in [0, 255] (32 = space), got {seps}")
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size), frontend=ByteWSFFrontEnd(cfg))
+def build_byte_wsf(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
+    embeddings = make_embeddings(cfg, vocab_size, pieces)
+    return Transformer(cfg, vocab_size, embeddings=embeddings, frontend=ByteWSFFrontEnd(cfg))

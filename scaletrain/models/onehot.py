@@ -5,7 +5,7 @@ is not a parameter. Inputs are ``s * E[id]``; with ``share_embeddings`` the outp
 ``s_out * h E^T = s_out * h[..., :V]`` (pad logit always 0); without sharing (LOBEF's
 "--no-encoder-embed --no-decoder-embed") the output projection is a learned V x d matrix.
 
-``onehot_learnable_scales`` turns s_enc, s_dec (and s_out when shared) into learnable scalars
+``model.onehot.learnable_scales`` turns s_enc, s_dec (and s_out when shared) into learnable scalars
 initialised to sqrt(d); otherwise they are the constant sqrt(d) (1 if ``scale_embeddings`` is off).
 The dropout changes of the paper are separate config switches (``encoder_input_dropout``,
 ``decoder_input_dropout``, ``decoder_last_layer_dropout``); the recipe sets them.
@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.errors import ScaletrainError
 from scaletrain.models.transformer import Embeddings
 from scaletrain.vocab import PAD
 
@@ -26,11 +25,7 @@ from scaletrain.vocab import PAD
 class OneHotEmbeddings(Embeddings):
     def __init__(self, vocab_size: int, dim: int, *, share_output: bool, learnable_scales: bool, scale: bool = True):
         super().__init__()
-        if vocab_size > dim:
-            raise ScaletrainError(
-                f"model.embedding=onehot needs vocabulary size <= model.d_model, got {vocab_size} > {dim}; "
-                "raise model.d_model or use model.embedding=learned"
-            )
+        # vocab_size <= dim (one unit vector per id) is a model rule: OneHotConfig.validate
         table = torch.eye(vocab_size, dim)
         table[PAD] = 0.0
         self.register_buffer("table", table, persistent=False)

@@ -61,12 +61,12 @@ def estimate_flops_per_token(
     n_enc = cfg.encoder_layers
     macs = 0
     if cfg.arch in ("byte_ncf", "byte_wsf"):
-        n_enc += cfg.byte_encoder_layers
+        n_enc += cfg.lobef.byte_layers
     if cfg.arch == "byte_ncf":
-        macs += S * d * d * sum(1 for n in cfg.ncf_ngrams if n > 1)  # stride-n conv: n*d*d per n tokens
+        macs += S * d * d * sum(1 for n in cfg.lobef.ngrams if n > 1)  # stride-n conv: n*d*d per n tokens
     macs += n_enc * enc_layer
-    kernels = [k for k in cfg.conv_kernels]
-    n_conv_layers = len([i for i in cfg.conv_layers if 0 <= i < cfg.encoder_layers])
+    kernels = [k for k in cfg.conv.kernels]
+    n_conv_layers = len([i for i in cfg.conv.layers if 0 <= i < cfg.encoder_layers])
     if cfg.arch == "moce":  # dense experts on q, k and v, every head
         macs += n_conv_layers * 3 * S * h * dh * dh * sum(kernels)
     elif cfg.arch == "msha":  # one kernel per head on q, k and v
@@ -95,7 +95,7 @@ def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len
     """
     import torch
 
-    from scaletrain.models import build_model
+    from scaletrain.models.build import build_model
 
     with torch.device("meta"):
         model = build_model(cfg, vocab_size, pieces=pieces)

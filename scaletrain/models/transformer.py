@@ -185,12 +185,11 @@ class EncoderContext:
 class MultiheadAttention(nn.Module):
     """Projections + SDPA. fairseq initialisation (xavier; q/k/v gain 1/sqrt 2; zero out bias)."""
 
-    def __init__(self, dim: int, n_heads: int, attention_dropout: float):
+    def __init__(self, dim: int, n_heads: int, attention_dropout: float, kernel_mode: str = "auto"):
         super().__init__()
-        if dim % n_heads:
-            raise ScaletrainError(f"model.d_model={dim} is not divisible by model.n_heads={n_heads}")
         self.dim, self.n_heads, self.head_dim = dim, n_heads, dim // n_heads
         self.attention_dropout = attention_dropout
+        self.kernel_mode = kernel_mode  # model.kernels (scaletrain.models.kernels)
         self.q_proj = nn.Linear(dim, dim)
         self.k_proj = nn.Linear(dim, dim)
         self.v_proj = nn.Linear(dim, dim)
@@ -210,7 +209,7 @@ class MultiheadAttention(nn.Module):
 
     def attend(self, q, k, v, mask=None, is_causal=False, scale=None) -> torch.Tensor:
         p = self.attention_dropout if self.training else 0.0
-        o = kernels.attention(q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=p)
+        o = kernels.attention(q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=p, mode=self.kernel_mode)
         return self.out_proj(self.merge(o))
 
 
@@ -235,7 +234,7 @@ class SelfAttention(MultiheadAttention):
 # layers
 # ---------------------------------------------------------------------------------------
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, activation: str, activation_dropout: float):
+    def __init__(self, dim: int, ffn_dim: int, activation: str, activation_dropout: float, kernel_mode: str = "auto"):
         super().__init__()
         self.fc1 = nn.Linear(dim, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, dim)
@@ -244,35 +243,39 @@ class FeedForward(nn.Module):
             nn.init.zeros_(p.bias)
         self.act = {"relu": F.relu, "gelu": F.gelu}[activation]
         self.activation_dropout = activation_dropout
+        self.kernel_mode = kernel_mode
 
     def forward(self, x):
-        h = kernels.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
+        h = kernels.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training, self.kernel_mode)
         return self.fc2(h)
 
 
 class _Residual(nn.Module):
     """One sub-layer wrapper: post-LN ``LN(x + drop(f(x)))`` or pre-LN ``x + drop(f(LN(x)))``."""
 
-    def __init__(self, dim: int, pre_ln: bool, dropout: float):
+    def __init__(self, dim: int, pre_ln: bool, dropout: float, kernel_mode: str = "auto"):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.pre_ln = pre_ln
         self.dropout = dropout
+        self.kernel_mode = kernel_mode
 
     def forward(self, x, fn):
         if self.pre_ln:
-            return kernels.residual_dropout(x, fn(self.norm(x)), self.dropout, self.training)
-        return self.norm(kernels.residual_dropout(x, fn(x), self.dropout, self.training))
+            return kernels.residual_dropout(x, fn(self.norm(x)), self.dropout, self.training, self.kernel_mode)
+        return self.norm(kernels.residual_dropout(x, fn(x), self.dropout, self.training, self.kernel_mode))
 
 
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, self_attn: Optional[nn.Module] = None):
         super().__init__()
-        d = cfg.d_model
-        self.self_attn = self_attn if self_attn is not None else SelfAttention(d, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
-        self.attn_res = _Residual(d, cfg.pre_ln, cfg.dropout)
-        self.ffn_res = _Residual(d, cfg.pre_ln, cfg.dropout)
+        d, mode = cfg.d_model, cfg.kernels
+        if self_attn is None:
+            self_attn = SelfAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
+        self.self_attn = self_attn
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, mode)
+        self.attn_res = _Residual(d, cfg.pre_ln, cfg.dropout, mode)
+        self.ffn_res = _Residual(d, cfg.pre_ln, cfg.dropout, mode)
 
     def forward(self, x, ctx: EncoderContext, attn_mask: Optional[torch.Tensor] = None):
         x = self.attn_res(x, lambda h: self.self_attn(h, ctx, attn_mask))
@@ -282,14 +285,14 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dropout: Optional[float] = None):
         super().__init__()
-        d = cfg.d_model
+        d, mode = cfg.d_model, cfg.kernels
         p = cfg.dropout if dropout is None else dropout
-        self.self_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout)
-        self.cross_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
-        self.self_res = _Residual(d, cfg.pre_ln, p)
-        self.cross_res = _Residual(d, cfg.pre_ln, p)
-        self.ffn_res = _Residual(d, cfg.pre_ln, p)
+        self.self_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
+        self.cross_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
+        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, mode)
+        self.self_res = _Residual(d, cfg.pre_ln, p, mode)
+        self.cross_res = _Residual(d, cfg.pre_ln, p, mode)
+        self.ffn_res = _Residual(d, cfg.pre_ln, p, mode)
 
     def set_residual_dropout(self, p: float) -> None:
         for r in (self.self_res, self.cross_res, self.ffn_res):
@@ -370,6 +373,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.kernel_mode = cfg.kernels  # for the input dropouts; every layer keeps its own
         d = cfg.d_model
         if embeddings is None:
             cls = SharedEmbeddings if cfg.share_embeddings else SeparateEmbeddings
@@ -394,7 +398,7 @@ class Transformer(nn.Module):
         e = self.embeddings(src, "encoder")
         x = e + self.positions(src).to(dtype=e.dtype)
         if self.cfg.encoder_input_dropout:
-            x = kernels.dropout(x, self.cfg.dropout, self.training)
+            x = kernels.dropout(x, self.cfg.dropout, self.training, self.kernel_mode)
         return x
 
     def encode(self, src: torch.Tensor) -> EncoderOut:
@@ -416,7 +420,7 @@ class Transformer(nn.Module):
         e = self.embeddings(tokens, "decoder")
         x = e + pos.to(dtype=e.dtype)
         if self.cfg.decoder_input_dropout:
-            x = kernels.dropout(x, self.cfg.dropout, self.training)
+            x = kernels.dropout(x, self.cfg.dropout, self.training, self.kernel_mode)
         return x
 
     def _decoder_output(self, x: torch.Tensor) -> torch.Tensor:
