@@ -96,7 +96,7 @@ def test_recipe_base_inheritance(tmp_path):
 
 
 def test_inverse_sqrt_matches_fairseq():
-    # MODELS.md §9: lr(4000) = 5e-4, lr(16000) = 2.5e-4, linear warm-up from warmup_init
+    # docs/MODELS.md §12: lr(4000) = 5e-4, lr(16000) = 2.5e-4, linear warm-up from warmup_init
     f = inverse_sqrt_factor(5e-4, 4000, 0.0)
     lr = lambda k: 5e-4 * f(k - 1)  # update number k (1-based)
     assert math.isclose(lr(4000), 5e-4) and math.isclose(lr(16000), 2.5e-4)

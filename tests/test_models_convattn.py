@@ -1,4 +1,4 @@
-"""MSC, MSHA and Ada-MSHA / MoCE (MODELS.md sections 5, 6 and the section 9 invariants)."""
+"""MSC, MSHA and Ada-MSHA / MoCE (docs/MODELS.md §6-§8 and the §14 invariants)."""
 from __future__ import annotations
 
 import pytest

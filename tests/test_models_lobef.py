@@ -1,4 +1,4 @@
-"""LOBEF Byte-nCF and Byte-WSF front-ends (MODELS.md sections 3, 4 and the section 9 invariants)."""
+"""LOBEF Byte-nCF and Byte-WSF front-ends (docs/MODELS.md §4, §5 and the §14 invariants)."""
 from __future__ import annotations
 
 import pytest

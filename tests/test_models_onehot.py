@@ -1,4 +1,4 @@
-"""Embeddingless one-hot model (Shaham & Levy 2021; MODELS.md section 2 and section 9 invariants)."""
+"""Embeddingless one-hot model (Shaham & Levy 2021; docs/MODELS.md §3 and the §14 invariants)."""
 from __future__ import annotations
 
 import math

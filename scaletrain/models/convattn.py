@@ -1,4 +1,4 @@
-"""Convolutional self-attention variants for the encoder (MODELS.md sections 5, 6; pitfalls section 8).
+"""Convolutional self-attention variants for the encoder (docs/MODELS.md §6-§8; not reproduced: §13).
 
 - ``msc``:  MSC, a fixed kernel per head-chunk of the layer *input*, before the Q/K/V projections.
 - ``msha``: MSHA, a fixed kernel per head, applied to that head's projected q, k and v.

@@ -1,4 +1,4 @@
-"""LOBEF encoder front-ends (MODELS.md sections 3, 4; pitfalls 8.1-8.3): Byte-nCF and Byte-WSF.
+"""LOBEF encoder front-ends (docs/MODELS.md §4, §5; not reproduced: §13.1-13.3): Byte-nCF and Byte-WSF.
 
 Both replace the first ``model.lobef.byte_layers`` encoder layers with a front-end that owns its
 own (standard) byte layers; ``model.encoder_layers`` ordinary layers follow. The paper setups:

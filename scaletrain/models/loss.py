@@ -1,6 +1,6 @@
 """Label-smoothed cross-entropy, summed over non-pad target tokens (the trainer normalises).
 
-Smoothing choice (MODELS.md 7.1 / 8.12): the target distribution is
+Smoothing choice (docs/MODELS.md §11, §13.8): the target distribution is
     q(c) = (1 - eps) * [c == y] + eps / (V - 1)   for every class c != pad,   q(pad) = 0,
 i.e. epsilon is spread uniformly over all V - 1 non-pad classes (the gold class included), and the
 pad class gets no mass (fairseq 0.9 spreads eps/V over every class, fairseq 0.12 eps/(V-1) with the

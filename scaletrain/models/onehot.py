@@ -1,4 +1,4 @@
-"""Embeddingless input/output (Shaham & Levy 2021, MODELS.md section 2): frozen one-hot rows.
+"""Embeddingless input/output (Shaham & Levy 2021, docs/MODELS.md §3): frozen one-hot rows.
 
 Row i of E [V, d] is the unit vector e_i (pad row zero), kept as a buffer: it has no gradient and
 is not a parameter. Inputs are ``s * E[id]``; with ``share_embeddings`` the output logits are
