@@ -112,7 +112,7 @@ def _dispatch(args) -> int:
             )
         return 0
     if args.command == "evaluate":
-        from scaletrain.evaluate import evaluate_cli
+        from scaletrain.eval.evaluate import evaluate_cli
 
         return evaluate_cli(args)
     func = getattr(args, "func", None)

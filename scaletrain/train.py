@@ -108,7 +108,7 @@ class Trainer:
         )
         self.out_dir = cfg.out_dir
         self.ckpt = CheckpointManager(self.out_dir, eng, cfg.train.keep_last)
-        from scaletrain.validation import BestCheckpoint, BleuValidator
+        from scaletrain.eval.in_training import BestCheckpoint, BleuValidator
 
         tc = cfg.train
         self.bleu = BleuValidator.from_config(cfg, self.vocab, cfg.eval.valid_lines) if tc.bleu_every else None
@@ -331,7 +331,7 @@ class Trainer:
         return v
 
     def _bleu_valid(self) -> dict:
-        from scaletrain.validation import decoding_model
+        from scaletrain.eval.in_training import decoding_model
 
         eng = self.engine
         model = decoding_model(eng, self.cfg.model, self.vocab.size, pieces=self.vocab.pieces())  # collective under ZeRO-3

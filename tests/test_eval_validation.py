@@ -1,4 +1,4 @@
-"""Validation during training (scaletrain.validation): the fixed subset, BLEU/chrF of a model with shares
+"""Validation during training (scaletrain.eval.in_training): the fixed subset, BLEU/chrF of a model with shares
 decoded by several ranks, best checkpoint and early stopping; a 2-rank ZeRO-3 run under the deepspeed launcher."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import deepspeed_cmd, launcher_env, run
-from scaletrain import metrics as M
+from scaletrain.eval import scoring as M
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.generate import translate_examples
+from scaletrain.eval.generate import translate_examples
 from scaletrain.models import ModelConfig, build_model
-from scaletrain.validation import BestCheckpoint, BleuValidator, first_n_per_direction
+from scaletrain.eval.in_training import BestCheckpoint, BleuValidator, first_n_per_direction
 from scaletrain.vocab import ByteVocab
 
 VOCAB = ByteVocab(["en", "de", "ja"])
@@ -172,7 +172,7 @@ DRIVER = textwrap.dedent('''
     from scaletrain.data.shards import load_manifest
     from scaletrain.engine import build_engine
     from scaletrain.models import build_model
-    from scaletrain.validation import BleuValidator, decoding_model, is_partitioned
+    from scaletrain.eval.in_training import BleuValidator, decoding_model, is_partitioned
     from scaletrain.vocab import ByteVocab
 
     argv = _strip_launcher_args(sys.argv[1:])
@@ -211,7 +211,7 @@ def test_two_ranks_zero3_validation_equals_single_process(django_shards, tmp_pat
 def test_decoding_model_uses_module_or_an_unpartitioned_copy_without_touching_rng():
     from types import SimpleNamespace
 
-    from scaletrain.validation import decoding_model, is_partitioned
+    from scaletrain.eval.in_training import decoding_model, is_partitioned
 
     model = _model()
     cfg = model.cfg

@@ -16,3 +16,6 @@ def register_all(subparsers) -> None:
         reg = getattr(module, "register", None)
         if reg is not None:
             reg(subparsers)
+    from scaletrain.eval.translate import register as register_translate  # moved out of this package
+
+    register_translate(subparsers)

@@ -14,8 +14,8 @@ import torch
 from scaletrain.checkpoint import atomic_write_text, load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
-from scaletrain.generate import translate_examples
-from scaletrain.metrics import example_records, format_table, report_to_json, score_copy_baseline, score_directions
+from scaletrain.eval.generate import translate_examples
+from scaletrain.eval.scoring import example_records, format_table, report_to_json, score_copy_baseline, score_directions
 
 log = logging.getLogger("scaletrain")
 

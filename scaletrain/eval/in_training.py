@@ -5,7 +5,7 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
 * :func:`first_n_per_direction` - the fixed subset: the first ``N`` lines of every direction, in shard
   order (the same lines at every evaluation and after a resume).
 * :class:`BleuValidator` - decodes the subset (greedy by default) and scores it with
-  :func:`scaletrain.metrics.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
+  :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
   averages). With several ranks every rank decodes its own share (lines ``rank::world_size``), the
   hypotheses are all-gathered, and every rank scores the complete subset, so all ranks hold the same
   numbers (and can take the same early-stopping decision) and the result equals a single-process run.
@@ -37,8 +37,8 @@ import torch
 
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
-from scaletrain.metrics import Report, example_records, report_to_metrics, score_directions
+from scaletrain.eval.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
+from scaletrain.eval.scoring import Report, example_records, report_to_metrics, score_directions
 from scaletrain.vocab import ByteVocab
 
 __all__ = [
@@ -96,8 +96,8 @@ class BleuValidator:
 
     ``examples``: the subset (e.g. ``first_n_per_direction(read_split(shards, 'valid'), 100)``).
     ``beam``: 1 = greedy (default; cheap enough to run often). Decoding settings as in
-    :func:`scaletrain.generate.translate_examples`; scoring settings as in
-    :func:`scaletrain.metrics.score_directions`.
+    :func:`scaletrain.eval.generate.translate_examples`; scoring settings as in
+    :func:`scaletrain.eval.scoring.score_directions`.
     """
 
     def __init__(
