@@ -12,7 +12,7 @@ import json
 
 
 def _stats(args) -> int:
-    from scaletrain.data.inspect import data_stats, format_stats
+    from scaletrain.data.inspect_shards import data_stats, format_stats
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()] if args.splits else None
     stats = data_stats(args.shard_dir, splits)
@@ -24,7 +24,7 @@ def _stats(args) -> int:
 
 
 def _verify(args) -> int:
-    from scaletrain.data.inspect import verify
+    from scaletrain.data.inspect_shards import verify
 
     rep = verify(args.shard_dir, checksums=not args.no_checksums)
     for p in rep.problems:

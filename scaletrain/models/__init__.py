@@ -28,7 +28,7 @@ from scaletrain.models.transformer import (
 )
 from scaletrain.models.onehot import OneHotEmbeddings
 from scaletrain.models.charaware import CharAwareEmbeddings
-from scaletrain.models.stats import count_parameters, estimate_flops_per_token
+from scaletrain.models.counting import count_parameters, estimate_flops_per_token
 
 
 # the pieces handed to build_model, visible to make_embeddings inside the architecture builders
