@@ -25,7 +25,7 @@ from scaletrain.data.stream import ShardLoader, ShardStream
 from scaletrain.engine import build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.loss import label_smoothed_ce
-from scaletrain.models.counting import routing_metrics
+from scaletrain.models.routing_stats import routing_metrics
 from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")

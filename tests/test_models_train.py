@@ -19,7 +19,7 @@ from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate
 from scaletrain.data.shards import read_split
-from scaletrain.models.counting import routing_metrics
+from scaletrain.models.routing_stats import routing_metrics
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET
 
 COMMON = [
