@@ -1,4 +1,4 @@
-"""Beam-search speed: scaletrain.generate vs Hugging Face transformers generate(), same size, same lengths.
+"""Beam-search speed: scaletrain.eval.generate vs Hugging Face transformers generate(), same size, same lengths.
 
     python benchmarks/bench_generate.py [--beam 4] [--batch 16] [--src-bytes 40] [--out-len 48] [--reps 3]
 
@@ -84,7 +84,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from scaletrain import generate as G
+    from scaletrain.eval import generate as G
     from scaletrain.data.gettext import DEFAULT_LANGS
     from scaletrain.vocab import BYTE_OFFSET, EOS, PAD, ByteVocab
 
@@ -128,7 +128,7 @@ def main() -> int:
     print(f"params: scaletrain {n_params(ours):,}  HF Marian {n_params(hf):,}")
     print(f"{'decoder':<28}{'seconds':>10}{'sentences/s':>14}{'ratio':>8}")
     print(f"{'HF transformers generate()':<28}{t_hf:>10.3f}{sps_hf:>14.1f}{1.0:>8.2f}")
-    print(f"{'scaletrain.generate':<28}{t_ours:>10.3f}{sps_ours:>14.1f}{sps_ours / sps_hf:>8.2f}")
+    print(f"{'scaletrain.eval.generate':<28}{t_ours:>10.3f}{sps_ours:>14.1f}{sps_ours / sps_hf:>8.2f}")
     return 0
 
 

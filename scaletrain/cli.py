@@ -1,6 +1,7 @@
-"""Command line: thin; parses, loads config, calls the library.
+"""Command line: thin; builds the parser from :mod:`scaletrain.commands`, parses, dispatches.
 
-Errors a user can fix are printed as one line without a traceback (``--debug`` shows one).
+Every subcommand is a module of :mod:`scaletrain.commands` that registers itself. Errors a user can fix
+are printed as one line without a traceback (``--debug`` shows one).
 """
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def _setup_logging(debug: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _commands() -> tuple:
+    """The command modules, in the order ``--help`` lists them (imported here: ``import scaletrain.cli``
+    stays cheap)."""
+    from scaletrain.commands import average, data, evaluate, export, model, prepare, train, translate
+
+    return (prepare, train, evaluate, export, average, data, model, translate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scaletrain",
@@ -45,30 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"scaletrain {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    pr = sub.add_parser("prepare", help="extract a corpus and write WebDataset shards + manifest.json")
-    from scaletrain.data.prepare_args import add_prepare_arguments
-
-    add_prepare_arguments(pr)
-
-    tr = sub.add_parser("train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)")
-    tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
-    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
-    tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-
-    ev = sub.add_parser("evaluate", help="decode a split and score BLEU/chrF per direction")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest checkpoint)")
-    ev.add_argument("--split", default=None, help="split to decode (default: eval.split of the recipe, test)")
-    ev.add_argument("--shards", default=None, help="shard directory (default: the one the model was trained on)")
-    ev.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
-    ev.add_argument("--lenpen", type=float, default=None, help="length penalty")
-    ev.add_argument("--max-lines", type=int, default=0, help="decode only the first N lines per direction (0 = all)")
-    ev.add_argument("--json", default=None, help="write the report as JSON here")
-    ev.add_argument("--no-track", action="store_true", help="do not log to the training run in MLflow")
-
-    from scaletrain.commands import register_all
-
-    register_all(sub)
+    for command in _commands():
+        command.register(sub)
     return p
 
 
@@ -77,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.debug)
     try:
-        return _dispatch(args)
+        return int(args.func(args) or 0)
     except ScaletrainError as e:
         if args.debug:
             raise
@@ -86,39 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)
         return 130
-
-
-def _dispatch(args) -> int:
-    if args.command == "prepare":
-        from scaletrain.data.prepare import prepare_from_args
-
-        return prepare_from_args(args)
-    if args.command == "train":
-        from scaletrain.config import dump_yaml, load_config
-
-        cfg = load_config(args.config, args.overrides)
-        if args.print_config:
-            print(dump_yaml(cfg), end="")
-            return 0
-        from scaletrain.train import train
-
-        res = train(cfg)
-        if int(os.environ.get("RANK", "0")) == 0:
-            first, last = res.valid_nll[0][1], res.valid_nll[-1][1]
-            print(
-                f"trained {res.steps} steps, {res.tokens:,} target tokens in {res.train_seconds:.0f}s; "
-                f"valid nll {first:.3f} -> {last:.3f} (target-unigram baseline {res.unigram_nll:.3f}); "
-                f"checkpoint {res.final_checkpoint}; MLflow run {res.run_id}"
-            )
-        return 0
-    if args.command == "evaluate":
-        from scaletrain.evaluate import evaluate_cli
-
-        return evaluate_cli(args)
-    func = getattr(args, "func", None)
-    if func is None:
-        raise AssertionError(args.command)
-    return int(func(args) or 0)
 
 
 if __name__ == "__main__":

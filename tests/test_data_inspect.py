@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from scaletrain.data.batch import Example
-from scaletrain.data.inspect import data_stats, format_stats, verify
+from scaletrain.data.inspect_shards import data_stats, format_stats, verify
 from scaletrain.data.shards import Manifest, SplitWriter, prepare_out_dir, write_manifest
 from scaletrain.errors import ScaletrainError
 

@@ -7,11 +7,11 @@ from collections import Counter
 import pytest
 
 from scaletrain.data import prepare as prep
-from scaletrain.data import text
+from scaletrain.data import parallel_text as text
 from scaletrain.data.opus import opus100_corpora
 from scaletrain.data.prepare import prepare_opus100, prepare_parallel
 from scaletrain.data.shards import load_manifest, read_split
-from scaletrain.data.text import PairFilter, ParallelCorpus, index_lines, read_lines
+from scaletrain.data.parallel_text import PairFilter, ParallelCorpus, index_lines, read_lines
 from scaletrain.errors import ScaletrainError
 
 

@@ -1,4 +1,4 @@
-"""Validation during training (scaletrain.validation): the fixed subset, BLEU/chrF of a model with shares
+"""Validation during training (scaletrain.eval.in_training): the fixed subset, BLEU/chrF of a model with shares
 decoded by several ranks, best checkpoint and early stopping; a 2-rank ZeRO-3 run under the deepspeed launcher."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import deepspeed_cmd, launcher_env, run
-from scaletrain import metrics as M
+from scaletrain.eval import scoring as M
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.generate import translate_examples
+from scaletrain.eval.generate import translate_examples
 from scaletrain.models import ModelConfig, build_model
-from scaletrain.validation import BestCheckpoint, BleuValidator, first_n_per_direction
+from scaletrain.eval.in_training import BestCheckpoint, BleuValidator, first_n_per_direction
 from scaletrain.vocab import ByteVocab
 
 VOCAB = ByteVocab(["en", "de", "ja"])
@@ -172,7 +172,7 @@ DRIVER = textwrap.dedent('''
     from scaletrain.data.shards import load_manifest
     from scaletrain.engine import build_engine
     from scaletrain.models import build_model
-    from scaletrain.validation import BleuValidator, decoding_model, is_partitioned
+    from scaletrain.eval.in_training import BleuValidator
     from scaletrain.vocab import ByteVocab
 
     argv = _strip_launcher_args(sys.argv[1:])
@@ -183,10 +183,10 @@ DRIVER = textwrap.dedent('''
     torch.manual_seed(0)
     eng.setup(build_model(cfg.model, vocab.size))
     val = BleuValidator.from_config(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12)
-    model = decoding_model(eng, cfg.model, vocab.size)
+    model = eng.inference_module(lambda: build_model(cfg.model, vocab.size))
     res = val.run(model, rank=eng.rank, world_size=eng.world_size)
     ref = val.run(model, rank=0, world_size=1)  # every rank alone, same weights: the single-process answer
-    json.dump({"partitioned": is_partitioned(eng.module), "copy": model is not eng.module, "metrics": res.metrics,
+    json.dump({"partitioned": eng.partitioned(), "copy": model is not eng.module, "metrics": res.metrics,
                "ref": ref.metrics, "local": res.local_lines, "lines": res.lines, "hyps": res.hypotheses,
                "ref_hyps": ref.hypotheses}, open(f"{out}/val_rank{eng.rank}.json", "w"))
 ''')
@@ -208,21 +208,3 @@ def test_two_ranks_zero3_validation_equals_single_process(django_shards, tmp_pat
     assert r0["metrics"]["valid/chrf_avg/all"] >= 0 and "valid/bleu_avg/non-latin" in r0["metrics"]
 
 
-def test_decoding_model_uses_module_or_an_unpartitioned_copy_without_touching_rng():
-    from types import SimpleNamespace
-
-    from scaletrain.validation import decoding_model, is_partitioned
-
-    model = _model()
-    cfg = model.cfg
-    eng = SimpleNamespace(module=model, device=torch.device("cpu"), full_state_dict=lambda: model.state_dict())
-    assert decoding_model(eng, cfg, VOCAB.size) is model and not is_partitioned(model)
-    for p in model.parameters():
-        p.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
-    assert is_partitioned(model)
-    rng = torch.get_rng_state()
-    copy = decoding_model(eng, cfg, VOCAB.size)
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert copy is not model and not is_partitioned(copy) and not copy.training
-    for (k, a), (_, b) in zip(model.state_dict().items(), copy.state_dict().items()):
-        assert torch.equal(a, b), k

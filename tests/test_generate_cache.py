@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain import generate as G
+from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, available_models, build_model
 from scaletrain.models.config import ConvConfig, LobefConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain import generate as G
+from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, ByteVocab

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from scaletrain import generate as G
+from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import BOS, BYTE_OFFSET, EOS, LANG_OFFSET, PAD, UNK, ByteVocab

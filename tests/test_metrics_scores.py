@@ -6,7 +6,7 @@ import math
 import pytest
 import sacrebleu
 
-from scaletrain import metrics as M
+from scaletrain.eval import scoring as M
 from scaletrain.errors import ScaletrainError
 
 DE_REF = ["Das ist ein kleines Haus .", "Der Hund bellt laut .", "Wir gehen heute nach Hause ."]

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import two_rank_training
-from scaletrain import generate as G
+from scaletrain.eval import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate
 from scaletrain.data.shards import read_split
-from scaletrain.models.stats import routing_metrics
+from scaletrain.models.routing_stats import routing_metrics
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET
 
 COMMON = [

@@ -9,7 +9,7 @@ import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, recipe_names
-from scaletrain.models.stats import model_summary
+from scaletrain.models.summary import model_summary
 
 PAPER_RECIPES = [
     "embeddingless", "byte_ncf", "byte_wsf", "msc", "msha",

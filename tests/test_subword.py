@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import TEST_LANGS
 from scaletrain.cli import main as cli_main
 from scaletrain.config import Config, validate
-from scaletrain.data.inspect import verify
+from scaletrain.data.inspect_shards import verify
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.data.stream import ShardLoader, ShardStream, _pack, _unpack
 from scaletrain.errors import ScaletrainError

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import two_rank_training
-from scaletrain import generate as G
+from scaletrain.eval import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate_arrays

@@ -51,7 +51,7 @@ def _translate(run_dir, tmp_path, data: bytes, *args):
 
 def _library(run_dir, lines: list[bytes], src: str, tgt: str, beam: int, lenpen: float) -> list[str]:
     from scaletrain.checkpoint import load_for_inference
-    from scaletrain.commands.translate import translate_lines
+    from scaletrain.eval.translate import translate_lines
 
     model, cfg, vocab, _, _ = load_for_inference(run_dir)
     texts, _ = translate_lines(model, vocab, lines, src, tgt, beam=beam, lenpen=lenpen,
@@ -134,7 +134,7 @@ def test_translate_streams_each_batch_before_input_ends(tiny_run, tmp_path):
 
 
 def test_iter_line_batches_splits_lines_and_batches():
-    from scaletrain.commands.translate import iter_line_batches
+    from scaletrain.eval.translate import iter_line_batches
 
     r, w = os.pipe()
     os.write(w, b"a\r\nbb\n\nccc\nd")
@@ -200,7 +200,7 @@ def test_best_checkpoint_copy_of_a_real_run_loads_and_decodes_the_same(tiny_run,
     import shutil
 
     from scaletrain.checkpoint import load_for_inference, resolve_checkpoint
-    from scaletrain.validation import BestCheckpoint
+    from scaletrain.eval.in_training import BestCheckpoint
 
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_run, run_dir)
@@ -212,7 +212,7 @@ def test_best_checkpoint_copy_of_a_real_run_loads_and_decodes_the_same(tiny_run,
     a, _, vocab, state, ckpt = load_for_inference(kept)
     assert ckpt == kept and state["step"] == 30
     lines = [b"Save", "Löschen".encode()]
-    from scaletrain.commands.translate import translate_lines
+    from scaletrain.eval.translate import translate_lines
 
     got, _ = translate_lines(a, vocab, lines, "en", "de", beam=1, lenpen=1.0, max_len_a=1.0, max_len_b=20,
                              batch_tokens=1000)

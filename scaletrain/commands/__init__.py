@@ -1,18 +1,7 @@
-"""Subcommands beyond the core ones.
+"""The subcommands of ``scaletrain``: one module per command.
 
-Each module here defines ``register(subparsers)`` that adds its parser(s) and sets
-``func=callable(args) -> int`` as the parser default. `scaletrain.cli` discovers them, so a
-feature adds a command without editing the CLI module.
+Each module defines ``register(subparsers)``, which adds its parser (and its actions, if any) and sets
+``func=callable(args) -> int`` as the parser default. The library work lives outside this package; a
+command module holds flags, argument checks and printing. ``scaletrain.cli`` lists the modules in the
+order ``--help`` shows them, so a new command is a new module here plus one entry in that list.
 """
-from __future__ import annotations
-
-import importlib
-import pkgutil
-
-
-def register_all(subparsers) -> None:
-    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{__name__}.{mod.name}")
-        reg = getattr(module, "register", None)
-        if reg is not None:
-            reg(subparsers)

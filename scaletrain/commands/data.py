@@ -1,11 +1,18 @@
-"""``scaletrain data stats DIR`` and ``scaletrain data verify DIR``: look at a prepared shard directory."""
+"""`scaletrain data`: actions on a prepared shard directory.
+
+    scaletrain data stats DIR                   # per-direction pairs, bytes, length percentiles, filters
+    scaletrain data verify DIR                  # checksums + decode every block; names a bad shard
+    scaletrain data spm DIR --vocab-size N      # add a SentencePiece BPE model to prepared shards
+
+``data spm`` has the same options as ``prepare --spm-vocab-size`` (see ``scaletrain.data.spm_train``).
+"""
 from __future__ import annotations
 
 import json
 
 
 def _stats(args) -> int:
-    from scaletrain.data.inspect import data_stats, format_stats
+    from scaletrain.data.inspect_shards import data_stats, format_stats
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()] if args.splits else None
     stats = data_stats(args.shard_dir, splits)
@@ -17,7 +24,7 @@ def _stats(args) -> int:
 
 
 def _verify(args) -> int:
-    from scaletrain.data.inspect import verify
+    from scaletrain.data.inspect_shards import verify
 
     rep = verify(args.shard_dir, checksums=not args.no_checksums)
     for p in rep.problems:
@@ -25,6 +32,20 @@ def _verify(args) -> int:
     status = "OK" if rep.ok else f"FAILED ({len(rep.problems)} problem(s))"
     print(f"{args.shard_dir}: {rep.shards} shards, {rep.blocks} blocks, {rep.examples:,} examples decoded: {status}")
     return 0 if rep.ok else 1
+
+
+def _spm(args) -> int:
+    from pathlib import Path
+
+    from scaletrain.data.spm_train import add_spm_model, check_spm_args
+
+    check_spm_args(args.vocab_size, args.sentences, args.character_coverage, args.threads)
+    e = add_spm_model(args.shard_dir, args.vocab_size, max_sentences=args.sentences,
+                      character_coverage=args.character_coverage, num_threads=args.threads,
+                      overwrite=args.overwrite, progress=not args.no_progress, flag_prefix="--")
+    print(f"{Path(args.shard_dir) / e['file']}: SentencePiece BPE, {e['vocab_size']:,} pieces, "
+          f"sha256 {e['sha256']} (recorded in the manifest)")
+    return 0
 
 
 def register(subparsers) -> None:
@@ -42,3 +63,12 @@ def register(subparsers) -> None:
     ve.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json)")
     ve.add_argument("--no-checksums", action="store_true", help="skip the sha256 pass (sizes and decoding only)")
     ve.set_defaults(func=_verify)
+
+    from scaletrain.data.prepare_args import add_spm_arguments
+
+    sp = sub.add_parser("spm", help="train a SentencePiece BPE model on the train split and record it in the manifest")
+    sp.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json)")
+    add_spm_arguments(sp, prefix="--")
+    sp.add_argument("--overwrite", action="store_true", help="retrain and replace a model of the same size")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.set_defaults(func=_spm)

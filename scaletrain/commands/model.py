@@ -14,7 +14,7 @@ from scaletrain.errors import ScaletrainError
 
 def _summary(args) -> int:
     from scaletrain.config import load_config
-    from scaletrain.models.stats import format_summary, model_summary
+    from scaletrain.models.summary import format_summary, model_summary
     from scaletrain.vocab import LANG_OFFSET
 
     cfg = load_config(args.recipe, args.overrides)

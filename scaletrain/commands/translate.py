@@ -14,19 +14,17 @@
   stdout is flushed after every batch.
 * Only translations go to stdout. Everything else that wants fd 1 while the command runs (library logs,
   C-level prints) is sent to stderr.
+
+The translation itself is :mod:`scaletrain.eval.translate`.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import select
 import sys
-import time
-from typing import Callable, Iterable, Iterator
 
 from scaletrain.errors import ScaletrainError
-
-__all__ = ["register", "iter_line_batches", "translate_lines", "translate_stream"]
+from scaletrain.eval.translate import iter_line_batches, iter_object_batches, translate_stream
 
 
 def register(subparsers) -> None:
@@ -46,109 +44,7 @@ def register(subparsers) -> None:
                    help="most beam-expanded padded source tokens per model call (default: eval.batch_tokens)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
-    p.set_defaults(func=translate_cli)
-
-
-# ----------------------------------------------------------------------------------------------
-# input
-
-
-def _ready(fd: int) -> bool:
-    """True if a read on ``fd`` would not block (or if that cannot be told: then we just read)."""
-    try:
-        return bool(select.select([fd], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
-
-
-def iter_line_batches(fd: int, max_lines: int, chunk: int = 1 << 16) -> Iterator[list[bytes]]:
-    """Yield batches of complete input lines (without ``\\n`` / ``\\r\\n``) read from file descriptor ``fd``.
-
-    A batch has at most ``max_lines`` lines; it is yielded as soon as it is full, or when at least one
-    line is pending and no more input is ready. A last line without a newline counts as a line.
-    """
-    if max_lines < 1:
-        raise ScaletrainError(f"--batch-lines must be >= 1, got {max_lines}")
-    buf = b""
-    pending: list[bytes] = []
-    eof = False
-    while True:
-        while not eof and len(pending) < max_lines:
-            if pending and not _ready(fd):
-                break
-            data = os.read(fd, chunk)
-            if not data:
-                eof = True
-                break
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            pending.extend(lines)
-        if eof and buf:
-            pending.append(buf)
-            buf = b""
-        if not pending:
-            if eof:
-                return
-            continue
-        batch, pending = pending[:max_lines], pending[max_lines:]
-        yield [ln[:-1] if ln.endswith(b"\r") else ln for ln in batch]
-
-
-def _iter_object_batches(stream, max_lines: int) -> Iterator[list[bytes]]:
-    """Fallback for a stdin without a file descriptor (e.g. an in-memory stream)."""
-    batch: list[bytes] = []
-    for line in stream:
-        if isinstance(line, str):
-            line = line.encode("utf-8")
-        line = line[:-1] if line.endswith(b"\n") else line
-        batch.append(line[:-1] if line.endswith(b"\r") else line)
-        if len(batch) >= max_lines:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-# ----------------------------------------------------------------------------------------------
-# translation
-
-
-def translate_lines(model, vocab, lines: list[bytes], src_lang: str, tgt_lang: str, *, beam: int, lenpen: float,
-                    max_len_a: float, max_len_b: int, batch_tokens: int) -> tuple[list[str], int]:
-    """Translate raw source lines; returns (one text per line, malformed UTF-8 sequences in the outputs).
-
-    Empty lines map to empty texts without decoding; texts never contain ``\\n`` or ``\\r``."""
-    from scaletrain.data.batch import Example
-    from scaletrain.generate import translate_examples
-
-    s, t = vocab.lang_index(src_lang), vocab.lang_index(tgt_lang)
-    todo = [i for i, ln in enumerate(lines) if ln.strip()]
-    out = [""] * len(lines)
-    if not todo:
-        return out, 0
-    res = translate_examples(
-        model, [Example(s, t, lines[i], b"") for i in todo], vocab, batch_tokens=batch_tokens, beam=beam,
-        lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
-    )
-    for i, text in zip(todo, res.texts):
-        out[i] = text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
-    return out, res.n_invalid
-
-
-def translate_stream(model, vocab, batches: Iterable[list[bytes]], write: Callable[[bytes], object],
-                     flush: Callable[[], object], src_lang: str, tgt_lang: str, **kw) -> dict:
-    """Translate each batch and write it (UTF-8, one line per input line) followed by ``flush()``."""
-    vocab.lang_index(src_lang), vocab.lang_index(tgt_lang)  # fail before reading any input
-    n_lines = n_invalid = n_batches = 0
-    t0 = time.time()
-    for batch in batches:
-        texts, inv = translate_lines(model, vocab, batch, src_lang, tgt_lang, **kw)
-        write("".join(t + "\n" for t in texts).encode("utf-8"))
-        flush()
-        n_lines += len(batch)
-        n_invalid += inv
-        n_batches += 1
-    return {"lines": n_lines, "batches": n_batches, "invalid_utf8": n_invalid, "seconds": time.time() - t0}
+    p.set_defaults(func=run)
 
 
 @contextlib.contextmanager
@@ -198,7 +94,7 @@ class _TextWriter:
         self.f.flush()
 
 
-def translate_cli(args) -> int:
+def run(args) -> int:
     import torch
 
     from scaletrain.checkpoint import load_for_inference
@@ -227,7 +123,7 @@ def translate_cli(args) -> int:
         except (AttributeError, OSError, ValueError):
             fd = None
         batches = (iter_line_batches(fd, args.batch_lines) if fd is not None
-                   else _iter_object_batches(sys.stdin, args.batch_lines))
+                   else iter_object_batches(sys.stdin, args.batch_lines))
         stats = translate_stream(model, vocab, batches, out.write, out.flush, args.src_lang, args.tgt_lang, **kw)
     if not args.quiet:
         print(

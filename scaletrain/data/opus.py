@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from scaletrain.data.text import ParallelCorpus
+from scaletrain.data.parallel_text import ParallelCorpus
 from scaletrain.errors import ScaletrainError
 
 log = logging.getLogger(__name__)

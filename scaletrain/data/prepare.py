@@ -30,7 +30,7 @@ from scaletrain.data.shards import (
     write_manifest,
 )
 from scaletrain.data.spm_train import add_spm_model, check_spm_args
-from scaletrain.data.text import (
+from scaletrain.data.parallel_text import (
     FILTER_REASONS,
     KEPT_NOTES,
     PairFilter,
@@ -288,7 +288,7 @@ def prepare_parallel(
     total: Counter = Counter()
     for c in per_corpus.values():
         total.update(c)
-    cleaning = {"rules": "scaletrain.data.text.PairFilter", "total": dict(total),
+    cleaning = {"rules": "scaletrain.data.parallel_text.PairFilter", "total": dict(total),
                 "per_corpus": {k: dict(v) for k, v in per_corpus.items()}}
     src = dict(source or {"type": "parallel"})
     src["corpora"] = [asdict(c) for c in corpora]

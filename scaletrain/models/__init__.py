@@ -16,7 +16,7 @@ from scaletrain.models.charaware import CharAwareEmbeddings
 from scaletrain.models.config import ModelConfig
 from scaletrain.models.embeddings import make_embeddings
 from scaletrain.models.registry import available_models, register_model
-from scaletrain.models.stats import count_parameters, estimate_flops_per_token
+from scaletrain.models.counting import count_parameters, estimate_flops_per_token
 from scaletrain.models.transformer import DecoderCache, EncoderContext, EncoderOut, Transformer
 
 __all__ = [

@@ -98,7 +98,7 @@ class Evaluator:
         tc = cfg.train
         self.bleu = None
         if tc.bleu_every:
-            from scaletrain.validation import BleuValidator
+            from scaletrain.eval.in_training import BleuValidator
 
             self.bleu = BleuValidator.from_config(cfg, vocab, cfg.eval.valid_lines)
 
@@ -150,7 +150,7 @@ class EarlyStopper:
         self.engine, self.state, self.patience = engine, state, tc.patience
         self.best = None
         if tc.best_metric:
-            from scaletrain.validation import BestCheckpoint
+            from scaletrain.eval.in_training import BestCheckpoint
 
             self.best = BestCheckpoint(ckpt_root, tc.best_metric, tc.best_mode, tc.patience, tc.best_min_delta)
 

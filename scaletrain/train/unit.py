@@ -12,7 +12,7 @@ import torch
 
 from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
-from scaletrain.models.stats import routing_metrics
+from scaletrain.models.routing_stats import routing_metrics
 
 
 class TranslationUnit:

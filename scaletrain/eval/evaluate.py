@@ -1,23 +1,18 @@
 """Evaluate a checkpoint: decode every line of a split, score BLEU/chrF per direction and group.
 
-A copy-the-source baseline is scored on the same lines and printed beside the model.
+A copy-the-source baseline is scored on the same lines (``scaletrain evaluate`` prints it beside the
+model); :func:`log_to_mlflow` adds the scores to the run that trained the checkpoint.
 """
 from __future__ import annotations
 
-import json
-import logging
 import time
 from pathlib import Path
 
-import torch
-
-from scaletrain.checkpoint import atomic_write_text, load_for_inference
+from scaletrain.checkpoint import load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
-from scaletrain.generate import translate_examples
-from scaletrain.metrics import example_records, format_table, report_to_json, score_copy_baseline, score_directions
-
-log = logging.getLogger("scaletrain")
+from scaletrain.eval.generate import translate_examples
+from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions
 
 
 def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None, max_lines=0, device="cpu",
@@ -111,24 +106,3 @@ def log_to_mlflow(result: dict) -> None:
     tr.log_metrics(metrics, step=int(result.get("step") or 0))
     tr.log_dict(result_to_json(result), f"eval_{split}.json")
     tr.end("FINISHED")
-
-
-def evaluate_cli(args) -> int:
-    result = evaluate_checkpoint(
-        args.checkpoint, split=args.split, shards=args.shards, beam=args.beam, lenpen=args.lenpen,
-        max_lines=args.max_lines, device="cuda" if torch.cuda.is_available() else "cpu",
-    )
-    print(f"checkpoint {result['checkpoint']} (step {result['step']}), split {result['split']}: "
-          f"{result['lines']} lines, beam {result['beam']}, {result['sentences_per_s']:.1f} sentences/s")
-    print(format_table(result["report"], baseline=result["baseline"]))
-    for s in result["samples"][:6]:
-        print(f"  [{s['direction']}] src: {s['source']!r}\n      ref: {s['reference']!r}\n      hyp: {s['hypothesis']!r}")
-    if args.json:
-        atomic_write_text(Path(args.json), json.dumps(result_to_json(result), indent=2, ensure_ascii=False))
-        print(f"wrote {args.json}")
-    if not args.no_track:
-        try:
-            log_to_mlflow(result)
-        except Exception as e:  # tracking must not lose an evaluation that already ran
-            log.warning("could not log evaluation to MLflow run %s: %s", result.get("run_id"), e)
-    return 0

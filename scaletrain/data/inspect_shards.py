@@ -1,4 +1,5 @@
-"""``data stats`` and ``data verify``: look at a prepared shard directory."""
+"""Look at a prepared shard directory: statistics (``scaletrain data stats``) and an integrity check
+(``scaletrain data verify``)."""
 from __future__ import annotations
 
 import tarfile
@@ -87,6 +88,68 @@ class VerifyReport:
         return not self.problems
 
 
+def _check_shard(shard_dir: Path, sh, checksums: bool, rep: VerifyReport) -> int:
+    """Size, sha256 and tar member table of one shard, then decode its blocks; problems go to ``rep``.
+    Returns the number of examples decoded."""
+    path = shard_dir / sh.name
+    if not path.is_file():
+        rep.problems.append(f"{path}: missing")
+        return 0
+    size = path.stat().st_size
+    if size != sh.bytes:
+        rep.problems.append(f"{path}: {size:,} bytes, the manifest says {sh.bytes:,} (truncated?)")
+    elif checksums and file_sha256(path) != sh.sha256:
+        rep.problems.append(f"{path}: sha256 differs from the manifest (corrupt)")
+    try:
+        with tarfile.open(path, "r:") as tar:
+            table = [(t.name, t.offset_data, t.size) for t in tar.getmembers()]
+        want = [(f"{b.key}.pairs", b.offset, b.size) for b in sh.blocks]
+        if table != want:
+            rep.problems.append(f"{path}: tar members differ from the manifest's block table")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        rep.problems.append(f"{path}: not a readable tar file ({e})")
+    n_shard = 0
+    for b in sh.blocks:
+        try:
+            n_shard += len(read_block(shard_dir, sh, b))
+            rep.blocks += 1
+        except ScaletrainError as e:
+            rep.problems.append(str(e))
+    if n_shard != sh.n_examples and not any(p.startswith(str(path)) for p in rep.problems):
+        rep.problems.append(f"{path}: {n_shard} examples decoded, the manifest says {sh.n_examples}")
+    return n_shard
+
+
+def _check_tokenizer(shard_dir: Path, languages: list[str], t: dict, checksums: bool, rep: VerifyReport) -> None:
+    """A tokenizer model stored beside the shards (``scaletrain.vocab.SubwordVocab``) and its token-length files:
+    present, sha256 as in the manifest, and (SentencePiece) loadable with the recorded number of pieces."""
+    path = shard_dir / str(t["file"])
+    n_problems = len(rep.problems)
+    if not path.is_file():
+        rep.problems.append(f"{path}: missing (tokenizer {t['type']} {t['vocab_size']} in the manifest)")
+    elif checksums and file_sha256(path) != t["sha256"]:
+        rep.problems.append(f"{path}: sha256 differs from the manifest (corrupt tokenizer model; re-create it "
+                            f"with `scaletrain data spm {shard_dir} --vocab-size {t['vocab_size']} --overwrite`)")
+    else:
+        for split, rec in (t.get("lengths") or {}).items():  # the stream's token-length files
+            lp = shard_dir / str(rec["file"])
+            if not lp.is_file():
+                rep.problems.append(f"{lp}: missing (token lengths of split {split})")
+            elif checksums and file_sha256(lp) != rec["sha256"]:
+                rep.problems.append(f"{lp}: sha256 differs from the manifest (corrupt token lengths; re-create "
+                                    f"with `scaletrain data spm {shard_dir} --vocab-size {t['vocab_size']} "
+                                    "--overwrite`)")
+    if t["type"] == "spm" and len(rep.problems) == n_problems:  # the file is the recorded one: load it
+        try:
+            from scaletrain.vocab import SubwordVocab
+
+            if SubwordVocab(languages, path).spm_size != int(t["vocab_size"]):
+                rep.problems.append(f"{path}: holds a different number of pieces than the manifest's "
+                                    f"{t['vocab_size']}")
+        except ScaletrainError as e:
+            rep.problems.append(str(e))
+
+
 def verify(shard_dir: str | Path, *, checksums: bool = True) -> VerifyReport:
     """Check every shard of the manifest: size, sha256, tar member table, and decode every block.
 
@@ -100,63 +163,13 @@ def verify(shard_dir: str | Path, *, checksums: bool = True) -> VerifyReport:
         n_split = 0
         for sh in info.shards:
             rep.shards += 1
-            path = shard_dir / sh.name
-            if not path.is_file():
-                rep.problems.append(f"{path}: missing")
-                continue
-            size = path.stat().st_size
-            if size != sh.bytes:
-                rep.problems.append(f"{path}: {size:,} bytes, the manifest says {sh.bytes:,} (truncated?)")
-            elif checksums and file_sha256(path) != sh.sha256:
-                rep.problems.append(f"{path}: sha256 differs from the manifest (corrupt)")
-            try:
-                with tarfile.open(path, "r:") as tar:
-                    table = [(t.name, t.offset_data, t.size) for t in tar.getmembers()]
-                want = [(f"{b.key}.pairs", b.offset, b.size) for b in sh.blocks]
-                if table != want:
-                    rep.problems.append(f"{path}: tar members differ from the manifest's block table")
-            except (tarfile.TarError, OSError, EOFError) as e:
-                rep.problems.append(f"{path}: not a readable tar file ({e})")
-            n_shard = 0
-            for b in sh.blocks:
-                try:
-                    n_shard += len(read_block(shard_dir, sh, b))
-                    rep.blocks += 1
-                except ScaletrainError as e:
-                    rep.problems.append(str(e))
-            if n_shard != sh.n_examples and not any(p.startswith(str(path)) for p in rep.problems):
-                rep.problems.append(f"{path}: {n_shard} examples decoded, the manifest says {sh.n_examples}")
-            n_split += n_shard
-            rep.examples += n_shard
+            n_split += _check_shard(shard_dir, sh, checksums, rep)
+        rep.examples += n_split
         if n_split != info.n_examples and not rep.problems:
             rep.problems.append(
                 f"{shard_dir}: split {split} has {n_split} examples, the manifest says {info.n_examples}"
             )
-    for t in m.tokenizers:  # models stored beside the shards (scaletrain.subword)
-        path = shard_dir / str(t["file"])
+    for t in m.tokenizers:  # models stored beside the shards (scaletrain.vocab.SubwordVocab)
         rep.tokenizers += 1
-        n_problems = len(rep.problems)
-        if not path.is_file():
-            rep.problems.append(f"{path}: missing (tokenizer {t['type']} {t['vocab_size']} in the manifest)")
-        elif checksums and file_sha256(path) != t["sha256"]:
-            rep.problems.append(f"{path}: sha256 differs from the manifest (corrupt tokenizer model; re-create it "
-                                f"with `scaletrain data spm {shard_dir} --vocab-size {t['vocab_size']} --overwrite`)")
-        else:
-            for split, rec in (t.get("lengths") or {}).items():  # the stream's token-length files
-                lp = shard_dir / str(rec["file"])
-                if not lp.is_file():
-                    rep.problems.append(f"{lp}: missing (token lengths of split {split})")
-                elif checksums and file_sha256(lp) != rec["sha256"]:
-                    rep.problems.append(f"{lp}: sha256 differs from the manifest (corrupt token lengths; re-create "
-                                        f"with `scaletrain data spm {shard_dir} --vocab-size {t['vocab_size']} "
-                                        "--overwrite`)")
-        if t["type"] == "spm" and len(rep.problems) == n_problems:  # the file is the recorded one: load it
-            try:
-                from scaletrain.vocab import SubwordVocab
-
-                if SubwordVocab(m.languages, path).spm_size != int(t["vocab_size"]):
-                    rep.problems.append(f"{path}: holds a different number of pieces than the manifest's "
-                                        f"{t['vocab_size']}")
-            except ScaletrainError as e:
-                rep.problems.append(str(e))
+        _check_tokenizer(shard_dir, m.languages, t, checksums, rep)
     return rep

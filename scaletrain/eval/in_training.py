@@ -5,18 +5,12 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
 * :func:`first_n_per_direction` - the fixed subset: the first ``N`` lines of every direction, in shard
   order (the same lines at every evaluation and after a resume).
 * :class:`BleuValidator` - decodes the subset (greedy by default) and scores it with
-  :func:`scaletrain.metrics.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
+  :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
   averages). With several ranks every rank decodes its own share (lines ``rank::world_size``), the
   hypotheses are all-gathered, and every rank scores the complete subset, so all ranks hold the same
   numbers (and can take the same early-stopping decision) and the result equals a single-process run.
-* :func:`decoding_model` - the module to decode with. Decoding runs no collective operation, so ranks may
-  run different numbers of forward passes (their shares produce outputs of different lengths). That is
-  only safe while every rank holds the full parameters (DDP, ZeRO-0/1/2): then the engine's module is
-  used as is. Under ZeRO-3 a forward pass gathers parameter partitions from all ranks, so ranks that run
-  different numbers of decoder steps would deadlock; instead every rank gathers the full weights once
-  (``engine.full_state_dict()``, one collective, the same on all ranks) into a plain, unpartitioned copy of
-  the model and decodes with that. The copy costs one model's parameters of memory per rank during
-  validation and is dropped afterwards.
+* The module to decode with comes from ``Engine.inference_module()``: the engine alone knows whether its
+  parameters are partitioned (ZeRO-3) and a full copy must be gathered first.
 * :class:`BestCheckpoint` - tracks a chosen metric (mode ``max`` or ``min``), keeps the best checkpoint
   as ``<out_dir>/checkpoints/best`` (hard links into the saved checkpoint, so no copy and it survives the
   ``keep_last`` rotation), and reports early stopping after ``patience`` evaluations without improvement.
@@ -37,16 +31,14 @@ import torch
 
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
-from scaletrain.metrics import Report, example_records, report_to_metrics, score_directions
+from scaletrain.eval.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
+from scaletrain.eval.scoring import Report, example_records, report_to_metrics, score_directions
 from scaletrain.vocab import ByteVocab
 
 __all__ = [
     "first_n_per_direction",
     "ValidationResult",
     "BleuValidator",
-    "decoding_model",
-    "is_partitioned",
     "Decision",
     "BestCheckpoint",
 ]
@@ -96,8 +88,8 @@ class BleuValidator:
 
     ``examples``: the subset (e.g. ``first_n_per_direction(read_split(shards, 'valid'), 100)``).
     ``beam``: 1 = greedy (default; cheap enough to run often). Decoding settings as in
-    :func:`scaletrain.generate.translate_examples`; scoring settings as in
-    :func:`scaletrain.metrics.score_directions`.
+    :func:`scaletrain.eval.generate.translate_examples`; scoring settings as in
+    :func:`scaletrain.eval.scoring.score_directions`.
     """
 
     def __init__(
@@ -165,35 +157,6 @@ class BleuValidator:
         report = score_directions(records, pivot=self.pivot, groups=self.groups or None, tokenize=self.tokenize)
         return ValidationResult(report, report_to_metrics(report, self.prefix), len(records), len(idx),
                                 time.time() - t0, hypotheses=list(hyps))
-
-
-# ----------------------------------------------------------------------------------------------
-# which module to decode with
-
-
-def is_partitioned(module: torch.nn.Module) -> bool:
-    """True if DeepSpeed ZeRO-3 partitions this module's parameters (a rank holds only a slice)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-def decoding_model(engine, model_cfg, vocab_size: int, pieces=None) -> torch.nn.Module:
-    """The module to decode with: ``engine.module`` when it holds full parameters; under ZeRO-3 a plain copy
-    built from ``engine.full_state_dict()`` (a collective: call it on every rank). See the module docstring."""
-    mod = engine.module
-    if not is_partitioned(mod):
-        return mod
-    from scaletrain.models import build_model
-
-    sd = engine.full_state_dict()
-    with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG stream
-        copy = build_model(model_cfg, vocab_size, pieces=pieces)
-    missing, unexpected = copy.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not m.endswith("_float_tensor")]
-    if missing or unexpected:
-        raise ScaletrainError(
-            f"validation: gathered ZeRO-3 weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    return copy.to(engine.device).eval()
 
 
 # ----------------------------------------------------------------------------------------------

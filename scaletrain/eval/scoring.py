@@ -170,6 +170,79 @@ def _avg(name: str, ds: Sequence[DirectionScore]) -> Average:
     return Average(name, _mean([d.bleu for d in ds]), _mean([d.chrf for d in ds]), len(ds), sum(d.n_lines for d in ds))
 
 
+def _records_by_direction(records: Iterable) -> "OrderedDict[tuple[str, str], list[Record]]":
+    by_dir: "OrderedDict[tuple[str, str], list[Record]]" = OrderedDict()
+    for i, r in enumerate(records):
+        rec = _as_record(r, i)
+        by_dir.setdefault((rec.src_lang, rec.tgt_lang), []).append(rec)
+    if not by_dir:
+        raise ScaletrainError("score_directions: no records to score")
+    return by_dir
+
+
+def _score_direction(s: str, t: str, recs: Sequence[Record], bleus: dict[str, BLEU], chrf: CHRF,
+                     tokenize: Mapping[str, str] | None, signatures: dict[str, str]) -> DirectionScore:
+    """Corpus BLEU (tokenizer chosen by the target language; one ``BLEU`` per tokenizer, kept in
+    ``bleus``) and chrF of one direction; records each metric's signature in ``signatures``."""
+    tok = bleu_tokenizer_for(t, tokenize)
+    if tok not in bleus:
+        try:
+            bleus[tok] = BLEU(tokenize=tok)
+        except Exception as e:  # e.g. mecab not installed
+            raise ScaletrainError(f"sacrebleu tokenizer {tok!r} (target language {t!r}) is unusable: {e}") from e
+    bleu = bleus[tok]
+    hyps = [r.hypothesis for r in recs]
+    refs = [[r.reference for r in recs]]
+    b = bleu.corpus_score(hyps, refs)
+    c = chrf.corpus_score(hyps, refs)
+    bsig = str(bleu.get_signature())
+    csig = str(chrf.get_signature())
+    signatures[f"BLEU[{tok}]"] = bsig
+    signatures["chrF"] = csig
+    inv = [r.invalid if r.invalid is not None else r.hypothesis.count("\ufffd") for r in recs]
+    return DirectionScore(
+        src_lang=s, tgt_lang=t, bleu=float(b.score), chrf=float(c.score), n_lines=len(recs),
+        n_invalid=sum(inv), n_invalid_lines=sum(1 for n in inv if n), n_empty=sum(1 for h in hyps if not h.strip()),
+        tokenize=tok, bleu_signature=bsig, chrf_signature=csig,
+    )
+
+
+def _group_averages(gname: str, langs: Sequence[str], directions: Sequence[DirectionScore], pivot: str) -> list[Average]:
+    """``NAME`` over the directions whose non-pivot side is in ``langs`` (without the pivot: either side),
+    plus ``NAME xx-><pivot>`` and ``NAME <pivot>->xx`` when such directions exist."""
+    lset = set(langs)
+
+    def member(d: DirectionScore) -> bool:
+        if d.src_lang == pivot:
+            return d.tgt_lang in lset
+        if d.tgt_lang == pivot:
+            return d.src_lang in lset
+        return d.src_lang in lset or d.tgt_lang in lset
+
+    g = [d for d in directions if member(d)]
+    out = [_avg(gname, g)]
+    gi = [d for d in g if d.tgt_lang == pivot]
+    go = [d for d in g if d.src_lang == pivot]
+    if gi:
+        out.append(_avg(f"{gname} xx->{pivot}", gi))
+    if go:
+        out.append(_avg(f"{gname} {pivot}->xx", go))
+    return out
+
+
+def _averages(directions: Sequence[DirectionScore], pivot: str, groups: Mapping[str, Sequence[str]]) -> list[Average]:
+    averages = [_avg("all", directions)]
+    into = [d for d in directions if d.tgt_lang == pivot and d.src_lang != pivot]
+    out = [d for d in directions if d.src_lang == pivot and d.tgt_lang != pivot]
+    if into:
+        averages.append(_avg(f"xx->{pivot}", into))
+    if out:
+        averages.append(_avg(f"{pivot}->xx", out))
+    for gname, langs in groups.items():
+        averages.extend(_group_averages(gname, langs, directions, pivot))
+    return averages
+
+
 def score_directions(
     records: Iterable,
     *,
@@ -184,70 +257,17 @@ def score_directions(
     non-pivot side is in the group (for directions without the pivot: either side), plus ``NAME xx-><pivot>``
     and ``NAME <pivot>->xx``. ``tokenize`` overrides the BLEU tokenizer per target language.
     """
-    by_dir: "OrderedDict[tuple[str, str], list[Record]]" = OrderedDict()
-    for i, r in enumerate(records):
-        rec = _as_record(r, i)
-        by_dir.setdefault((rec.src_lang, rec.tgt_lang), []).append(rec)
-    if not by_dir:
-        raise ScaletrainError("score_directions: no records to score")
+    by_dir = _records_by_direction(records)
     groups = dict(groups or {})
     for gname, langs in groups.items():
         if isinstance(langs, str):
             raise ScaletrainError(f"language group {gname!r} must be a list of codes, got the string {langs!r}")
-
     chrf = CHRF()
     bleus: dict[str, BLEU] = {}
     signatures: dict[str, str] = {}
-    directions: list[DirectionScore] = []
-    for (s, t), recs in sorted(by_dir.items()):
-        tok = bleu_tokenizer_for(t, tokenize)
-        if tok not in bleus:
-            try:
-                bleus[tok] = BLEU(tokenize=tok)
-            except Exception as e:  # e.g. mecab not installed
-                raise ScaletrainError(f"sacrebleu tokenizer {tok!r} (target language {t!r}) is unusable: {e}") from e
-        bleu = bleus[tok]
-        hyps = [r.hypothesis for r in recs]
-        refs = [[r.reference for r in recs]]
-        b = bleu.corpus_score(hyps, refs)
-        c = chrf.corpus_score(hyps, refs)
-        bsig = str(bleu.get_signature())
-        csig = str(chrf.get_signature())
-        signatures[f"BLEU[{tok}]"] = bsig
-        signatures["chrF"] = csig
-        inv = [r.invalid if r.invalid is not None else r.hypothesis.count("\ufffd") for r in recs]
-        directions.append(DirectionScore(
-            src_lang=s, tgt_lang=t, bleu=float(b.score), chrf=float(c.score), n_lines=len(recs),
-            n_invalid=sum(inv), n_invalid_lines=sum(1 for n in inv if n), n_empty=sum(1 for h in hyps if not h.strip()),
-            tokenize=tok, bleu_signature=bsig, chrf_signature=csig,
-        ))
-
-    averages = [_avg("all", directions)]
-    into = [d for d in directions if d.tgt_lang == pivot and d.src_lang != pivot]
-    out = [d for d in directions if d.src_lang == pivot and d.tgt_lang != pivot]
-    if into:
-        averages.append(_avg(f"xx->{pivot}", into))
-    if out:
-        averages.append(_avg(f"{pivot}->xx", out))
-    for gname, langs in groups.items():
-        lset = set(langs)
-
-        def member(d: DirectionScore) -> bool:
-            if d.src_lang == pivot:
-                return d.tgt_lang in lset
-            if d.tgt_lang == pivot:
-                return d.src_lang in lset
-            return d.src_lang in lset or d.tgt_lang in lset
-
-        g = [d for d in directions if member(d)]
-        averages.append(_avg(gname, g))
-        gi = [d for d in g if d.tgt_lang == pivot]
-        go = [d for d in g if d.src_lang == pivot]
-        if gi:
-            averages.append(_avg(f"{gname} xx->{pivot}", gi))
-        if go:
-            averages.append(_avg(f"{gname} {pivot}->xx", go))
-    return Report(directions, averages, pivot, sacrebleu.__version__, signatures)
+    directions = [_score_direction(s, t, recs, bleus, chrf, tokenize, signatures)
+                  for (s, t), recs in sorted(by_dir.items())]
+    return Report(directions, _averages(directions, pivot, groups), pivot, sacrebleu.__version__, signatures)
 
 
 def example_records(examples, langs: Sequence[str], hypotheses: Sequence[str],

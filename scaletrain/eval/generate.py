@@ -246,6 +246,19 @@ def _step_lprobs(model, tokens, step, enc, cache, mask_cache: dict):
     return lprobs + mask_cache["mask"], cache
 
 
+def _constrain_eos(lprobs: torch.Tensor, step: int, min_len: int, row_max: torch.Tensor) -> None:
+    """In place: no EOS before ``min_len`` unless the length limit forces it; a row at its length limit
+    (``step >= row_max``) can only emit EOS."""
+    if step < min_len:  # no EOS before min_len, unless the length limit forces it
+        eos_col = lprobs[:, EOS].clone()
+        lprobs[:, EOS] = torch.where(step >= row_max, eos_col, torch.full_like(eos_col, -math.inf))
+    forced = step >= row_max
+    if bool(forced.any()):
+        eos_col = lprobs[:, EOS].clone()
+        lprobs[forced] = -math.inf
+        lprobs[forced, EOS] = eos_col[forced]
+
+
 def _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset=LANG_OFFSET) -> list[Hypothesis]:
     B = src.shape[0]
     enc = model.encode(src)
@@ -260,14 +273,7 @@ def _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset=LANG_OF
     step = 0
     while alive.numel():
         lprobs, cache = _step_lprobs(model, tokens, step, enc, cache, mask_cache)
-        if step < min_len:  # no EOS before min_len, unless the length limit forces it
-            eos_col = lprobs[:, EOS].clone()
-            lprobs[:, EOS] = torch.where(step >= alive_max, eos_col, torch.full_like(eos_col, -math.inf))
-        forced = step >= alive_max
-        if bool(forced.any()):
-            eos_col = lprobs[:, EOS].clone()
-            lprobs[forced] = -math.inf
-            lprobs[forced, EOS] = eos_col[forced]
+        _constrain_eos(lprobs, step, min_len, alive_max)
         best_lp, best = lprobs.max(dim=-1)
         score = score + best_lp.double()
         finished = best == EOS
@@ -326,6 +332,58 @@ def _reorder_beams(model, cache, flat: torch.Tensor, shrunk: bool):
     return cache
 
 
+def _top_candidates(scores: torch.Tensor, lprobs: torch.Tensor, K: int):
+    """The ``2*K`` best (beam, token) extensions of every live sentence, best first: values, source beams,
+    tokens and whether the token is EOS, each ``[nb, 2K]``."""
+    nb, V = scores.shape[0], lprobs.shape[-1]
+    if K * V < 2 * K:
+        raise ScaletrainError("beam search needs a vocabulary with at least 2 entries")
+    cand = (scores.reshape(nb * K, 1) + lprobs).reshape(nb, K * V)
+    top_val, top_idx = cand.topk(2 * K, dim=1)  # sorted, best first
+    top_beam = torch.div(top_idx, V, rounding_mode="floor")
+    top_tok = top_idx % V
+    return top_val, top_beam, top_tok, top_tok == EOS
+
+
+def _finalize_eos(top_val, top_beam, is_eos, hist, alive, finalized, step: int, K: int, lenpen: float):
+    """Finalise the EOS candidates ranked in the top ``K`` with a finite score (normalised by
+    ``(step + 1) ** lenpen``) into ``finalized``; returns per live sentence whether it now has ``K``."""
+    device = top_val.device
+    fin = is_eos[:, :K] & torch.isfinite(top_val[:, :K])
+    if not bool(fin.any()):
+        return torch.zeros(top_val.shape[0], dtype=torch.bool, device=device)
+    norm = float(step + 1) ** lenpen
+    pos = fin.nonzero()  # [n, 2] (sentence, rank)
+    fin_rows = pos[:, 0] * K + top_beam[pos[:, 0], pos[:, 1]]
+    fin_vals = top_val[pos[:, 0], pos[:, 1]].double().tolist()
+    fin_hist = hist.index_select(0, fin_rows).tolist()  # only the finished rows go to the host
+    alive_cpu = alive.tolist()
+    for (s, _), v, h in zip(pos.tolist(), fin_vals, fin_hist):
+        sent = alive_cpu[s]
+        if len(finalized[sent]) < K:
+            finalized[sent].append((v / norm, h))
+    return torch.tensor([len(finalized[i]) >= K for i in alive_cpu], device=device)
+
+
+def _continuations(top_val, top_beam, top_tok, is_eos, K: int):
+    """The ``K`` best non-EOS candidates of every sentence: scores, source beams, tokens, each ``[nb, K]``."""
+    nb = top_val.shape[0]
+    rank_key = torch.arange(2 * K, device=top_val.device).expand(nb, 2 * K) + is_eos.to(torch.int64) * (2 * K)
+    sel = rank_key.topk(K, dim=1, largest=False).indices  # positions in the 2K list, best first
+    return top_val.gather(1, sel), top_beam.gather(1, sel), top_tok.gather(1, sel)
+
+
+def _best_finalized(finalized: list[list[tuple[float, list[int]]]]) -> list[Hypothesis]:
+    out: list[Hypothesis] = []
+    for hyps in finalized:
+        if not hyps:  # only possible if the model gives EOS probability 0 everywhere
+            out.append(Hypothesis([], -math.inf))
+            continue
+        best = max(hyps, key=lambda t: t[0])  # stable: the first of equal scores wins
+        out.append(Hypothesis(best[1], best[0]))
+    return out
+
+
 def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_offset=LANG_OFFSET) -> list[Hypothesis]:
     B = src.shape[0]
     K = beam
@@ -347,46 +405,12 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
     while alive.numel():
         nb = alive.numel()
         lprobs, cache = _step_lprobs(model, tokens, step, enc, cache, mask_cache)  # [nb*K, V]
-        V = lprobs.shape[-1]
-        if K * V < 2 * K:
-            raise ScaletrainError("beam search needs a vocabulary with at least 2 entries")
-        row_max = alive_max.repeat_interleave(K)
-        if step < min_len:
-            eos_col = lprobs[:, EOS].clone()
-            lprobs[:, EOS] = torch.where(step >= row_max, eos_col, torch.full_like(eos_col, -math.inf))
-        forced = step >= row_max
-        if bool(forced.any()):
-            eos_col = lprobs[:, EOS].clone()
-            lprobs[forced] = -math.inf
-            lprobs[forced, EOS] = eos_col[forced]
-        cand = (scores.reshape(nb * K, 1) + lprobs).reshape(nb, K * V)
-        top_val, top_idx = cand.topk(2 * K, dim=1)  # sorted, best first
-        top_beam = torch.div(top_idx, V, rounding_mode="floor")  # [nb, 2K]
-        top_tok = top_idx % V
-        is_eos = top_tok == EOS
-        # --- finalise EOS candidates ranked in the top K with a finite score
-        fin = is_eos[:, :K] & torch.isfinite(top_val[:, :K])
-        done_now = torch.zeros(nb, dtype=torch.bool, device=device)
-        if bool(fin.any()):
-            norm = float(step + 1) ** lenpen
-            pos = fin.nonzero()  # [n, 2] (sentence, rank)
-            fin_rows = pos[:, 0] * K + top_beam[pos[:, 0], pos[:, 1]]
-            fin_vals = top_val[pos[:, 0], pos[:, 1]].double().tolist()
-            fin_hist = hist.index_select(0, fin_rows).tolist()  # only the finished rows go to the host
-            alive_cpu = alive.tolist()
-            for (s, _), v, h in zip(pos.tolist(), fin_vals, fin_hist):
-                sent = alive_cpu[s]
-                if len(finalized[sent]) < K:
-                    finalized[sent].append((v / norm, h))
-            done_now = torch.tensor([len(finalized[i]) >= K for i in alive_cpu], device=device)
+        _constrain_eos(lprobs, step, min_len, alive_max.repeat_interleave(K))
+        top_val, top_beam, top_tok, is_eos = _top_candidates(scores, lprobs, K)
+        done_now = _finalize_eos(top_val, top_beam, is_eos, hist, alive, finalized, step, K, lenpen)
         # a sentence that reached its length limit has finished all its (finite) beams
         done_now |= step >= alive_max
-        # --- the K best non-EOS candidates continue
-        rank_key = torch.arange(2 * K, device=device).expand(nb, 2 * K) + is_eos.to(torch.int64) * (2 * K)
-        sel = rank_key.topk(K, dim=1, largest=False).indices  # positions in the 2K list, best first
-        new_scores = top_val.gather(1, sel)
-        new_beam = top_beam.gather(1, sel)
-        new_tok = top_tok.gather(1, sel)
+        new_scores, new_beam, new_tok = _continuations(top_val, top_beam, top_tok, is_eos, K)
         src_rows = (torch.arange(nb, device=device).unsqueeze(1) * K + new_beam)  # [nb, K]
         if bool(done_now.any()):
             keep = (~done_now).nonzero().squeeze(1)
@@ -401,14 +425,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
         scores = new_scores
         tokens = new_tok.reshape(-1)
         step += 1
-    out: list[Hypothesis] = []
-    for i in range(B):
-        if not finalized[i]:  # only possible if the model gives EOS probability 0 everywhere
-            out.append(Hypothesis([], -math.inf))
-            continue
-        best = max(finalized[i], key=lambda t: t[0])  # stable: the first of equal scores wins
-        out.append(Hypothesis(best[1], best[0]))
-    return out
+    return _best_finalized(finalized)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,6 +451,44 @@ def _length_batches(lengths: Sequence[int], batch_tokens: int, beam: int, max_se
     if cur:
         batches.append(cur)
     return batches
+
+
+class _Sources:
+    """The examples' sources as the model reads them: per example the source length in tokens (tag +
+    content + EOS, content cut to ``max_src`` tokens) and padded batches of any subset. Byte vocabularies
+    collate the raw bytes; a subword vocabulary tokenizes every source once up front."""
+
+    def __init__(self, examples: list[Example], vocab, max_src: int | None):
+        self.examples, self.max_src = examples, max_src
+        self.lang_offset = int(getattr(vocab, "lang_offset", LANG_OFFSET))
+        self.is_bytes = getattr(vocab, "kind", "byte") == "byte"
+        if self.is_bytes:
+            self.lengths = [src_len(ex, max_src) for ex in examples]
+            return
+        self.flat, self.n_tok = vocab.encode_flat([ex.src for ex in examples])
+        self.starts = np.cumsum(self.n_tok) - self.n_tok
+        self.s_lang = np.fromiter((ex.src_lang for ex in examples), dtype=np.int64, count=len(examples))
+        self.t_lang = np.fromiter((ex.tgt_lang for ex in examples), dtype=np.int64, count=len(examples))
+        capped = self.n_tok if max_src is None else np.minimum(self.n_tok, max_src)
+        self.lengths = (capped + 2).tolist()
+
+    def batch(self, idx: list[int]):
+        if self.is_bytes:
+            return collate([self.examples[i] for i in idx], max_bytes=self.max_src)
+        ix = np.asarray(idx, dtype=np.int64)
+        zero = np.zeros(len(ix), dtype=np.int64)
+        no_tgt = np.zeros(0, dtype=np.int32)
+        return collate_arrays(self.s_lang[ix], self.t_lang[ix], self.flat, self.starts[ix], self.n_tok[ix], no_tgt,
+                              zero, zero, max_bytes=self.max_src, lang_offset=self.lang_offset)
+
+
+def _check_languages(examples: Sequence[Example], vocab) -> None:
+    for k, ex in enumerate(examples):
+        if not (0 <= ex.tgt_lang < len(vocab.langs)) or not (0 <= ex.src_lang < len(vocab.langs)):
+            raise ScaletrainError(
+                f"translate_examples: example {k} has language index {ex.src_lang}->{ex.tgt_lang}, "
+                f"outside the vocabulary's {len(vocab.langs)} languages"
+            )
 
 
 def translate_examples(
@@ -462,12 +517,7 @@ def translate_examples(
     examples = list(examples)
     if batch_tokens <= 0:
         raise ScaletrainError(f"translate_examples: batch_tokens must be > 0, got {batch_tokens}")
-    for k, ex in enumerate(examples):
-        if not (0 <= ex.tgt_lang < len(vocab.langs)) or not (0 <= ex.src_lang < len(vocab.langs)):
-            raise ScaletrainError(
-                f"translate_examples: example {k} has language index {ex.src_lang}->{ex.tgt_lang}, "
-                f"outside the vocabulary's {len(vocab.langs)} languages"
-            )
+    _check_languages(examples, vocab)
     max_positions = _model_max_positions(model)
     if max_src_bytes is None and max_positions is not None:
         max_src_bytes = max_positions - 2
@@ -476,28 +526,12 @@ def translate_examples(
     tokens: list[list[int]] = [[] for _ in examples]
     if not examples:
         return TranslationResult(texts, invalid, tokens)
-    lang_offset = int(getattr(vocab, "lang_offset", LANG_OFFSET))
-    if getattr(vocab, "kind", "byte") == "byte":
-        lengths = [src_len(ex, max_src_bytes) for ex in examples]
-    else:  # subword vocabulary: tokenize every source once; lengths and truncation count tokens
-        flat, n_tok = vocab.encode_flat([ex.src for ex in examples])
-        starts = np.cumsum(n_tok) - n_tok
-        s_lang = np.fromiter((ex.src_lang for ex in examples), dtype=np.int64, count=len(examples))
-        t_lang = np.fromiter((ex.tgt_lang for ex in examples), dtype=np.int64, count=len(examples))
-        capped = n_tok if max_src_bytes is None else np.minimum(n_tok, max_src_bytes)
-        lengths = (capped + 2).tolist()
-        no_tgt = np.zeros(0, dtype=np.int32)
-    for idx in _length_batches(lengths, batch_tokens, beam, max_sentences):
-        if getattr(vocab, "kind", "byte") == "byte":
-            batch = collate([examples[i] for i in idx], max_bytes=max_src_bytes)
-        else:
-            ix = np.asarray(idx, dtype=np.int64)
-            zero = np.zeros(len(ix), dtype=np.int64)
-            batch = collate_arrays(s_lang[ix], t_lang[ix], flat, starts[ix], n_tok[ix], no_tgt, zero, zero,
-                                   max_bytes=max_src_bytes, lang_offset=lang_offset)
+    sources = _Sources(examples, vocab, max_src_bytes)
+    for idx in _length_batches(sources.lengths, batch_tokens, beam, max_sentences):
+        batch = sources.batch(idx)
         hyps = generate(
             model, batch.src, batch.tgt_in[:, 0], beam=beam, lenpen=lenpen, max_len_a=max_len_a,
-            max_len_b=max_len_b, min_len=min_len, max_positions=max_positions, lang_offset=lang_offset,
+            max_len_b=max_len_b, min_len=min_len, max_positions=max_positions, lang_offset=sources.lang_offset,
         )
         for i, h in zip(idx, hyps):
             res = vocab.decode_counting(h)

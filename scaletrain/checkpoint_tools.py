@@ -1,13 +1,10 @@
-"""`scaletrain export` and `scaletrain average`: checkpoints as fairseq users know them.
+"""Export and average saved checkpoints (the library side of ``scaletrain export`` and ``average``).
 
-    scaletrain export runs/x --out model.safetensors [--dtype bf16|fp32]
-    scaletrain average runs/x --last 5 --out runs/x/avg5
-    scaletrain average runs/x/checkpoints/step-0001000 runs/x/checkpoints/step-0002000 --out avg
-
-``export`` consolidates any engine's checkpoint (ZeRO-3 shards included) into one safetensors file
-that loads with ``safetensors`` + ``build_model`` alone; the resolved config and languages ride in
-its metadata. ``average`` writes a checkpoint directory (model.safetensors, config.yaml, langs.json,
-trainer_state.json) that ``evaluate`` and ``translate`` accept.
+:func:`export_checkpoint` consolidates any engine's checkpoint (ZeRO-3 shards included) into one
+safetensors file that loads with ``safetensors`` + ``build_model`` alone; the resolved config and
+languages ride in its metadata. :func:`average_checkpoints` writes a checkpoint directory
+(model.safetensors, config.yaml, langs.json, trainer_state.json) that ``evaluate`` and ``translate``
+accept.
 """
 from __future__ import annotations
 
@@ -132,30 +129,3 @@ def average_checkpoints(ckpts: list[str | Path], out: str | Path, last: int = 0)
         shutil.rmtree(out)
     os.replace(partial, out)
     return out
-
-
-def _export_cmd(args) -> int:
-    out = export_checkpoint(args.checkpoint, args.out, args.dtype)
-    print(f"wrote {out} ({args.dtype})")
-    return 0
-
-
-def _average_cmd(args) -> int:
-    out = average_checkpoints(args.checkpoints, args.out, last=args.last)
-    state = json.loads((out / "trainer_state.json").read_text())
-    print(f"wrote {out}: average of {len(state['averaged_from'])} checkpoint(s)")
-    return 0
-
-
-def register(subparsers) -> None:
-    ex = subparsers.add_parser("export", help="consolidate a checkpoint (ZeRO shards too) into one safetensors file")
-    ex.add_argument("checkpoint", help="checkpoint dir, or a run dir (uses its latest checkpoint)")
-    ex.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
-    ex.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="stored dtype (default fp32)")
-    ex.set_defaults(func=_export_cmd)
-
-    av = subparsers.add_parser("average", help="average checkpoints into one that evaluate/translate accept")
-    av.add_argument("checkpoints", nargs="+", help="checkpoint dirs, or one run dir with --last K")
-    av.add_argument("--last", type=int, default=0, help="average the last K checkpoints of the run dir(s) given")
-    av.add_argument("--out", required=True, help="output checkpoint directory")
-    av.set_defaults(func=_average_cmd)

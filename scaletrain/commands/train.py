@@ -1,0 +1,38 @@
+"""`scaletrain train`: train a model (run under `deepspeed` or `accelerate launch` for >1 rank).
+
+    scaletrain train --config small data.shards=shards/mini optim.lr=2e-3
+    scaletrain train --config small --print-config
+
+The work is :func:`scaletrain.train.train`; rank 0 prints a one-line summary at the end.
+"""
+from __future__ import annotations
+
+import os
+
+
+def register(subparsers) -> None:
+    tr = subparsers.add_parser("train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)")
+    tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
+    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
+    tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    tr.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from scaletrain.config import dump_yaml, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    from scaletrain.train import train
+
+    res = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        first, last = res.valid_nll[0][1], res.valid_nll[-1][1]
+        print(
+            f"trained {res.steps} steps, {res.tokens:,} target tokens in {res.train_seconds:.0f}s; "
+            f"valid nll {first:.3f} -> {last:.3f} (target-unigram baseline {res.unigram_nll:.3f}); "
+            f"checkpoint {res.final_checkpoint}; MLflow run {res.run_id}"
+        )
+    return 0

@@ -1,0 +1,8 @@
+"""Evaluation: decoding, scoring, the ``evaluate`` and ``translate`` library code, in-training validation.
+
+* :mod:`scaletrain.eval.generate` - greedy and beam-search decoding; ``translate_examples``;
+* :mod:`scaletrain.eval.scoring` - sacrebleu BLEU/chrF per direction and language group, tables, JSON;
+* :mod:`scaletrain.eval.evaluate` - decode and score a split of a checkpoint (``scaletrain evaluate``);
+* :mod:`scaletrain.eval.translate` - translate raw lines and line streams (``scaletrain translate``);
+* :mod:`scaletrain.eval.in_training` - BLEU validation during training, the best checkpoint, early stopping.
+"""
