@@ -28,20 +28,32 @@ import torch
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text
+from scaletrain.safeload import safe_torch_load
 
 TAG_RE = re.compile(r"^step-(\d+)$")
 
 
 def rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG state as tensors and plain types (a weights-only load reads them back; no pickled objects)."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    st = {
+        "python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64),
+                   "gauss": None if gauss is None else float(gauss)},
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
 
 
 def set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    py, npst = st["python"], st["numpy"]
+    random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+                         npst["cached_gaussian"]))
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
@@ -145,8 +157,16 @@ class CheckpointManager:
                 "exact resume needs the same world size (start a new out_dir, or relaunch with the old rank count)"
             )
         self.engine.load(self.root, tag)
-        rank_state = torch.load(d / f"rank{self.engine.rank:05d}.pt", weights_only=False)
-        set_rng_state(rank_state.pop("rng"))
+        rank_file = d / f"rank{self.engine.rank:05d}.pt"
+        rank_state = safe_torch_load(rank_file)
+        rng = rank_state.pop("rng", None) if isinstance(rank_state, dict) else None
+        if not isinstance(rng, dict) or not isinstance(rng.get("python"), dict):
+            raise ScaletrainError(
+                f"{rank_file}: not a rank state of this scaletrain (RNG states must be tensors and plain types; "
+                "checkpoints written before safe loading cannot be resumed: start a new train.out_dir, or "
+                "evaluate/average/export it, which do not read this file)"
+            )
+        set_rng_state(rng)
         return trainer_state, rank_state
 
 
@@ -161,7 +181,11 @@ def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     if st.is_file():
         from safetensors.torch import load_file
 
-        return load_file(str(st))
+        try:
+            return load_file(str(st))
+        except Exception as e:  # safetensors holds no code; a bad header or a short file lands here
+            raise ScaletrainError(f"{st}: unreadable safetensors file, truncated or corrupt ({e}); "
+                                  "use an earlier checkpoint") from None
     from scaletrain.engine.deepspeed_driver import consolidated_weights
 
     sd = consolidated_weights(ckpt)

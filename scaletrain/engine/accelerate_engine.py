@@ -26,6 +26,7 @@ from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
+from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -183,11 +184,12 @@ class AccelerateEngine(Engine):
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         if self._ds is not None:
-            self._ds.load(ckpt_dir, tag)
             sched = Path(ckpt_dir) / tag / "scheduler.pt"
             if not sched.is_file():
                 raise ScaletrainError(f"{sched} missing: this checkpoint was not written by the Accelerate DeepSpeed engine")
-            self.scheduler.load_state_dict(torch.load(sched, weights_only=False))
+            sched_state = safe_torch_load(sched)
+            self._ds.load(ckpt_dir, tag)
+            self.scheduler.load_state_dict(sched_state)
             return
         d = Path(ckpt_dir) / tag
         if not (d / "optimizer.bin").is_file():
@@ -195,4 +197,10 @@ class AccelerateEngine(Engine):
                 f"{d}: not an Accelerate DDP checkpoint (no optimizer.bin); it was written by another engine "
                 "(DeepSpeed); resume it with the engine that wrote it"
             )
-        self.acc.load_state(str(d))
+        # Accelerate's load_state reads optimizer.bin / scheduler.bin / random_states_*.pkl with torch.load;
+        # inside weights_only_loads those loads are weights-only. It swallows any error of the RNG file
+        # (our RNG states come from rank*.pt anyway), so that file is checked here first.
+        for rng_file in sorted(d.glob("random_states_*.pkl")):
+            safe_torch_load(rng_file)
+        with weights_only_loads():
+            self.acc.load_state(str(d))

@@ -15,6 +15,7 @@ import torch
 from scaletrain.engine.base import StepInfo
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
+from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:
@@ -98,8 +99,9 @@ class DeepSpeedDriver:
         self.e.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
-        path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+        with weights_only_loads():  # DeepSpeed's own torch.load calls weights_only=False
+            path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
         if path is None:
             raise ScaletrainError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
 
@@ -121,7 +123,7 @@ def consolidated_weights(ckpt: Path) -> dict[str, torch.Tensor] | None:
     ms = ckpt / "mp_rank_00_model_states.pt"
     module: dict = {}
     if ms.is_file():
-        sd = torch.load(ms, map_location="cpu", weights_only=False)
+        sd = safe_torch_load(ms)
         module = sd.get("module") or {}
         tensors = [v for v in module.values() if torch.is_tensor(v) and v.is_floating_point()]
         complete = bool(tensors) and all(v.numel() > 0 for v in tensors)
@@ -130,7 +132,8 @@ def consolidated_weights(ckpt: Path) -> dict[str, torch.Tensor] | None:
     if has_zero_shards(ckpt):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        with weights_only_loads():  # zero_to_fp32 calls torch.load(..., weights_only=False)
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
         return {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in sd.items()}
     if module:  # 16-bit weights without fp32 master shards
         return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}

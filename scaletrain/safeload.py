@@ -1,0 +1,123 @@
+"""Checkpoint files are read with ``torch.load(..., weights_only=True)``: loading never runs code.
+
+A pickle can name any importable callable and have the unpickler call it (``__reduce__``); PyTorch's
+weights-only unpickler accepts only tensors, plain containers and numbers, and the globals allowlisted
+for one load. Every ``.pt`` / ``.bin`` / ``.pkl`` a checkpoint holds is read here:
+
+* our own files (``rank*.pt``: stream state and RNG states as tensors and plain types;
+  ``scheduler.pt``) with :func:`safe_torch_load`;
+* the files DeepSpeed writes (``mp_rank_00_model_states.pt``, ``zero_pp_rank_*``) and those Accelerate
+  writes (``optimizer.bin``, ``scheduler.bin``, ``random_states_*.pkl``) are read by DeepSpeed's and
+  Accelerate's own loaders, which call ``torch.load(..., weights_only=False)``; they run inside
+  :func:`weights_only_loads`, which routes every ``torch.load`` of the process to :func:`safe_torch_load`
+  for the duration. The only classes allowed beyond PyTorch's defaults are the plain-data types those
+  files were found to contain (:data:`DEEPSPEED_TYPES`: DeepSpeed's loss-scaler record, the ZeRO stage
+  enum, a fragment address) and, for Accelerate's RNG file, the numpy array types Accelerate itself
+  allowlists.
+
+A file that holds anything else is refused with one line naming the file and the global it asked
+for; a truncated or corrupt file is named too.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import re
+import threading
+import zipfile
+from pathlib import Path
+
+import torch
+
+from scaletrain.errors import ScaletrainError
+
+_orig_torch_load = torch.load
+_lock = threading.RLock()
+
+
+def _deepspeed_types() -> list:
+    """DeepSpeed classes found in its checkpoint files (pickle opcodes of ZeRO 0-3, fp32/bf16/fp16)."""
+    out = []
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+        out += [LossScaler, DynamicLossScaler]
+    except ImportError:
+        pass
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        out.append(ZeroStageEnum)
+    except ImportError:
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out.append(fragment_address)
+    except ImportError:
+        pass
+    return out
+
+
+def _accelerate_rng_types() -> list:
+    """The numpy array types Accelerate allowlists for its own RNG file (``random_states_*.pkl``)."""
+    try:
+        from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+        return list(TORCH_SAFE_GLOBALS)
+    except ImportError:
+        return []
+
+
+def _name(f) -> str:
+    if isinstance(f, (str, Path)):
+        return str(f)
+    return str(getattr(f, "name", "<stream>"))
+
+
+def safe_torch_load(f, map_location="cpu", extra_globals: list | None = None, **_ignored):
+    """``torch.load(f, weights_only=True)`` with DeepSpeed's (and Accelerate's) plain-data types allowed.
+
+    Raises ScaletrainError naming ``f`` when it holds anything else, or is truncated/corrupt.
+    """
+    name = _name(f)
+    allowed = _deepspeed_types() + list(extra_globals or [])
+    if Path(name).name.startswith("random_states_"):
+        allowed += _accelerate_rng_types()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return _orig_torch_load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        m = re.search(r"(?:GLOBAL|global:?)\s+([A-Za-z_][\w.]*)", msg)
+        what = m.group(1) if m else "not allowed"
+        raise ScaletrainError(
+            f"{name}: refused to load: it holds a pickled object ({what}) other than tensors and plain data, "
+            "which could run code; do not use this checkpoint (only files written by scaletrain, DeepSpeed or "
+            "Accelerate are read)"
+        ) from None
+    except FileNotFoundError:
+        raise ScaletrainError(f"{name}: file missing from the checkpoint") from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, io.UnsupportedOperation) as e:
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ScaletrainError(
+            f"{name}: unreadable checkpoint file, truncated or corrupt ({first}); use an earlier checkpoint"
+        ) from None
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Within this context every ``torch.load`` in the process (DeepSpeed's ``load_checkpoint``,
+    ``zero_to_fp32``, Accelerate's ``load_state``) is :func:`safe_torch_load`, whatever it asks for."""
+
+    def load(f, map_location=None, *args, **kwargs):
+        return safe_torch_load(f, map_location=map_location if map_location is not None else "cpu")
+
+    with _lock:
+        saved = torch.load
+        torch.load = load
+        try:
+            yield
+        finally:
+            torch.load = saved
