@@ -16,6 +16,7 @@ A checkpoint is written under ``step-N.partial`` and renamed when every rank has
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -27,10 +28,57 @@ import numpy as np
 import torch
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.fileio import atomic_write_text
+from scaletrain.fileio import atomic_write_text, sha256_file
 from scaletrain.safeload import safe_torch_load
 
 TAG_RE = re.compile(r"^step-(\d+)$")
+INDEX = "index.json"  # per-file sha256 and size, written last inside step-N.partial before the rename
+log = logging.getLogger("scaletrain")
+
+
+class CorruptCheckpoint(ScaletrainError):
+    """A checkpoint file is missing, truncated or changed (does not match the checkpoint's index)."""
+
+
+def _looks_like_io_error(e: RuntimeError) -> bool:
+    """torch.save reports a full disk as RuntimeError('... iostream error' / 'PytorchStreamWriter failed ...')."""
+    text = str(e).lower()
+    return any(w in text for w in ("iostream", "streamwriter", "write", "file", "disk", "space"))
+
+
+def write_index(ckpt_dir: Path) -> None:
+    """Record every file of ``ckpt_dir`` (sha256, bytes) in ``index.json``, written last and atomically."""
+    files = {}
+    for p in sorted(ckpt_dir.rglob("*")):
+        if p.is_file() and p.name != INDEX and not p.name.startswith("."):
+            files[p.relative_to(ckpt_dir).as_posix()] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    atomic_write_text(ckpt_dir / INDEX, json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def verify_checkpoint(ckpt_dir: Path, only=None) -> None:
+    """Raise :class:`CorruptCheckpoint` naming the first file that is missing or differs from ``index.json``
+    (``only``: a predicate on file names to check a subset). Checkpoints without an index (written
+    before this check existed, or by ``average``) are not verified."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / INDEX
+    if not index.is_file():
+        return
+    try:
+        files = json.loads(index.read_text())["files"]
+        items = [(name, int(rec["bytes"]), str(rec["sha256"])) for name, rec in files.items()]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"{index}: unreadable checkpoint index ({type(e).__name__}: {e})") from None
+    for name, size, sha in items:
+        if only is not None and not only(name):
+            continue
+        p = ckpt_dir / name
+        if not p.is_file():
+            raise CorruptCheckpoint(f"{p}: missing (listed in {index})")
+        actual = p.stat().st_size
+        if actual != size:
+            raise CorruptCheckpoint(f"{p}: truncated or corrupt ({actual} bytes, {size} when written)")
+        if sha256_file(p) != sha:
+            raise CorruptCheckpoint(f"{p}: corrupt (sha256 differs from {index})")
 
 
 def rng_state() -> dict:
@@ -88,53 +136,162 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 class CheckpointManager:
-    """Writes, prunes and restores the checkpoints of one run directory.
+    """Writes, prunes, verifies and restores the checkpoints of one run directory.
 
     ``save_every``: :meth:`maybe_save` writes a checkpoint every that many steps (0 = only when forced:
-    a new best, the end of training).
+    a new best, the end of training). ``on_save_error``: ``stop`` (a failed save raises one line naming
+    the path and the free space) or ``continue`` (warn and train on without that checkpoint); either way
+    the partial directory is removed and the previous checkpoint stays intact.
     """
 
-    def __init__(self, out_dir: Path, engine, keep_last: int, save_every: int = 0):
+    def __init__(self, out_dir: Path, engine, keep_last: int, save_every: int = 0, on_save_error: str = "stop"):
         self.root = Path(out_dir) / "checkpoints"
         self.engine = engine
         self.keep_last = keep_last
         self.save_every = save_every
+        self.on_save_error = on_save_error
 
     def maybe_save(self, step: int, contents, force: bool = False) -> Path | None:
         """Save when ``step`` is due (or ``force``); ``contents()`` gives :meth:`save`'s keyword arguments
-        (called only when saving). Returns the checkpoint directory, or None when nothing was due."""
+        (called only when saving). Returns the checkpoint directory, or None when nothing was due (or the
+        save failed under ``on_save_error=continue``)."""
         if not (force or (self.save_every and step % self.save_every == 0)):
             return None
         return self.save(step, **contents())
 
+    def _any(self, failed: bool) -> bool:
+        """True on every rank if any rank failed (a collective; a world of one needs none)."""
+        if self.engine.world_size == 1:
+            return failed
+        return self.engine.all_reduce_sum([1.0 if failed else 0.0])[0] > 0
+
+    def remove_stale_partials(self) -> list[str]:
+        """Remove ``step-N.partial`` directories left by a crash or a failed save (rank 0, at start)."""
+        if not self.root.is_dir():
+            return []
+        stale = sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name.endswith(".partial"))
+        for name in stale:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        if stale:
+            log.warning("removed %d unfinished checkpoint(s) left by an earlier run: %s", len(stale), ", ".join(stale))
+        return stale
+
     def save(self, step: int, trainer_state: dict, rank_state: dict, config_yaml: str, langs: list[str],
-             vocab=None) -> Path:
+             vocab=None) -> Path | None:
         eng = self.engine
         tag = tag_for(step)
         partial = tag + ".partial"
-        if eng.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(self.root / partial, ignore_errors=True)  # left by a crash
-        eng.barrier()
-        eng.save(self.root, partial)
         pdir = self.root / partial
-        pdir.mkdir(parents=True, exist_ok=True)
-        torch.save({**rank_state, "rng": rng_state()}, pdir / f"rank{eng.rank:05d}.pt")
+        error = None
         if eng.is_main:
-            atomic_write_text(pdir / "trainer_state.json", json.dumps(trainer_state, indent=2))
-            atomic_write_text(pdir / "config.yaml", config_yaml)
-            atomic_write_text(pdir / "langs.json", json.dumps(langs))
-            save_vocab_files(vocab, pdir)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(pdir, ignore_errors=True)  # left by a crash
+            except OSError as e:
+                error = e
         eng.barrier()
+        if error is None:
+            try:  # every rank writes its part
+                eng.save(self.root, partial)
+                pdir.mkdir(parents=True, exist_ok=True)
+                torch.save({**rank_state, "rng": rng_state()}, pdir / f"rank{eng.rank:05d}.pt")
+                if eng.is_main:
+                    atomic_write_text(pdir / "trainer_state.json", json.dumps(trainer_state, indent=2))
+                    atomic_write_text(pdir / "config.yaml", config_yaml)
+                    atomic_write_text(pdir / "langs.json", json.dumps(langs))
+                    save_vocab_files(vocab, pdir)
+            except (OSError, RuntimeError) as e:
+                if isinstance(e, RuntimeError) and not _looks_like_io_error(e):
+                    raise
+                error = e
+        if self._any(error is not None):
+            return self._save_failed(pdir, error)
         if eng.is_main:
-            final = self.root / tag
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(pdir, final)
-            atomic_write_text(self.root / "latest", tag + "\n")
-            self._prune()
-        eng.barrier()
+            try:  # the index is written last, over the files every rank wrote (all of them are done)
+                write_index(pdir)
+                final = self.root / tag
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(pdir, final)
+                atomic_write_text(self.root / "latest", tag + "\n")
+                self._prune()
+            except OSError as e:
+                error = e
+        if self._any(error is not None):
+            return self._save_failed(pdir, error)
         return self.root / tag
+
+    def _save_failed(self, pdir: Path, error: BaseException | None) -> None:
+        eng = self.engine
+        if eng.is_main:
+            shutil.rmtree(pdir, ignore_errors=True)
+        eng.barrier()
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**20:,.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        prev = None
+        try:
+            prev = self.latest()
+        except ScaletrainError:
+            pass
+        where = getattr(error, "filename", None) or pdir
+        what = (f"{getattr(error, 'strerror', None) or error}" if error is not None
+                else "another rank failed to write its part (see its message)")
+        keep = f"the previous checkpoint {self.root / prev} is intact" if prev else "no earlier checkpoint exists"
+        msg = (f"could not write checkpoint {pdir.name.removesuffix('.partial')}: {what} ({where}); {free} on "
+               f"{self.root}; {keep}")
+        if self.on_save_error == "continue":
+            if eng.is_main:
+                log.warning("%s; training continues without it (train.on_save_error=continue)", msg)
+            return None
+        raise ScaletrainError(f"{msg}; free space or fix permissions, then re-run the same command to resume "
+                              "(or set train.on_save_error=continue to train on without saving)")
+
+    def verify(self, tag: str) -> None:
+        verify_checkpoint(self.root / tag)
+
+    def resume_tag(self, on_corrupt: str = "fallback") -> str | None:
+        """The checkpoint to resume from: ``latest`` if its files match its index, else (``fallback``) the
+        newest intact earlier one, with a warning; ``stop`` raises the first mismatch. Rank 0 reads and
+        hashes the files; every rank gets the same answer (collective)."""
+        eng = self.engine
+        answer: tuple[str | None, str | None] = (None, None)
+        if eng.is_main:
+            try:
+                answer = (self._find_intact(on_corrupt), None)
+            except ScaletrainError as e:
+                answer = (None, str(e))
+        if eng.world_size > 1:
+            answer = eng.broadcast_object(answer)
+        tag, err = answer
+        if err:
+            raise ScaletrainError(err)
+        return tag
+
+    def _find_intact(self, on_corrupt: str) -> str | None:
+        latest = self.latest()
+        if latest is None:
+            return None
+        tags = sorted((p.name for p in self.root.iterdir()
+                       if TAG_RE.match(p.name) and (p / "trainer_state.json").is_file() and p.name <= latest),
+                      reverse=True)
+        problems = []
+        for tag in tags:
+            try:
+                self.verify(tag)
+            except CorruptCheckpoint as e:
+                if on_corrupt == "stop":
+                    raise ScaletrainError(f"{e}; set train.on_corrupt_checkpoint=fallback to resume from the "
+                                          "newest intact earlier checkpoint") from None
+                problems.append(str(e))
+                log.warning("%s; falling back to the previous checkpoint (train.on_corrupt_checkpoint=fallback)", e)
+                continue
+            if problems:
+                log.warning("resuming from %s, the newest intact checkpoint", self.root / tag)
+            return tag
+        raise ScaletrainError(f"no intact checkpoint in {self.root} ({'; '.join(problems)}); "
+                              "start a new train.out_dir or set train.resume=false")
 
     def _prune(self) -> None:
         if self.keep_last <= 0:
@@ -174,9 +331,11 @@ def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of a checkpoint written by any engine, without building an engine.
 
     Accelerate DDP / exported / averaged: model.safetensors. DeepSpeed (any ZeRO stage, any precision):
-    consolidated by :func:`scaletrain.engine.deepspeed_driver.consolidated_weights`.
+    consolidated by :func:`scaletrain.engine.deepspeed_driver.consolidated_weights`. The weight files are
+    checked against the checkpoint's ``index.json`` first.
     """
     ckpt = Path(ckpt)
+    verify_checkpoint(ckpt, only=lambda name: name.endswith(".safetensors") or name.startswith(("mp_rank_", "zero_pp_")))
     st = ckpt / "model.safetensors"
     if st.is_file():
         from safetensors.torch import load_file

@@ -75,6 +75,12 @@ class TrainConfig:
     valid_max_batches: int = 50
     seed: int = 1
     resume: bool = True  # continue from out_dir/latest when it exists
+    # a checkpoint file that does not match the checkpoint's index.json (sha256) at resume:
+    # fallback = warn and resume from the newest intact earlier checkpoint | stop = fail naming the file
+    on_corrupt_checkpoint: str = "fallback"
+    # a save that fails (full disk, permissions): stop = fail naming the path and the free space |
+    # continue = warn and train on without that checkpoint; the previous checkpoint stays intact either way
+    on_save_error: str = "stop"
     bleu_every: int = 0  # BLEU/chrF on eval.valid_lines per direction every N steps (0 = off)
     best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
     best_mode: str = "max"  # max | min
@@ -356,6 +362,10 @@ def validate(cfg: Config) -> None:
         bad("optim.label_smoothing", "must be in [0, 1)")
     if cfg.train.max_steps < 1:
         bad("train.max_steps", "must be >= 1")
+    if cfg.train.on_corrupt_checkpoint not in ("fallback", "stop"):
+        bad("train.on_corrupt_checkpoint", f"must be fallback or stop, got {cfg.train.on_corrupt_checkpoint!r}")
+    if cfg.train.on_save_error not in ("stop", "continue"):
+        bad("train.on_save_error", f"must be stop or continue, got {cfg.train.on_save_error!r}")
     if cfg.train.best_mode not in ("max", "min"):
         bad("train.best_mode", f"must be max or min, got {cfg.train.best_mode!r}")
     for k in ("bleu_every", "patience", "valid_every", "save_every"):

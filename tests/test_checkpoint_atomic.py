@@ -59,10 +59,11 @@ def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
     with torch.no_grad():
         m.weight.fill_(2.0)
     mgr.engine.crash_in_save = True
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(ScaletrainError, match="simulated.*step-0000010 is intact"):
         _save(mgr, 20)
     root = tmp_path / "checkpoints"
-    assert (root / "step-0000020.partial").is_dir() and not (root / "step-0000020").exists()
+    # the failed save's partial directory is removed (issue 14: partials no longer pile up)
+    assert not (root / "step-0000020.partial").exists() and not (root / "step-0000020").exists()
     assert mgr.latest() == "step-0000010"
     # the previous checkpoint loads and restores the old weights and stream state
     fresh = _model(0.0)

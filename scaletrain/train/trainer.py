@@ -77,7 +77,8 @@ class Trainer:
         self.state = TrainState()
         self.clock = TrainClock(self.state)
         self.budget = TimeBudget(tc.max_minutes, self.state)
-        self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every)
+        self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
+                                      on_save_error=tc.on_save_error)
         self.tracker = self._make_tracker()
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker)
@@ -90,6 +91,9 @@ class Trainer:
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         st, eng = self.state, self.engine
+        if eng.is_main:
+            self.ckpt.remove_stale_partials()  # left by a crash or a failed save
+        eng.barrier()
         self._resume()
         self._start_tracking()
         baseline = self._baseline()
@@ -143,7 +147,7 @@ class Trainer:
     def _resume(self) -> None:
         if not self.cfg.train.resume:
             return
-        tag = self.ckpt.latest()
+        tag = self.ckpt.resume_tag(self.cfg.train.on_corrupt_checkpoint)  # verified against its index.json
         if tag is None:
             return
         trainer_state, rank_state = self.ckpt.load(tag)
