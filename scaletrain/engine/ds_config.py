@@ -75,6 +75,21 @@ def load_ds_config(cfg, world_size: int) -> dict:
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ScaletrainError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
+        # ZeRO-Offload keeps the fp32 master weights and optimizer states on the CPU and runs the update
+        # there. DeepSpeed then insists on its own optimizer (DeepSpeedCPUAdam, a C++ extension compiled at
+        # first use, configured through the JSON 'optimizer' section) and refuses a client optimizer. The
+        # optimizer is scaletrain's (optim.*: torch AdamW, the same maths and checkpoints as every other
+        # config, no compiler needed), and torch's AdamW runs on CPU tensors as they are, so we tell
+        # DeepSpeed to accept it. A user who sets the flag to true asks for DeepSpeed's optimizer section,
+        # which scaletrain owns.
+        if ds.get("zero_force_ds_cpu_optimizer") not in (None, False):
+            raise ScaletrainError(
+                f"{path}: 'zero_force_ds_cpu_optimizer' is {ds['zero_force_ds_cpu_optimizer']!r}; with optimizer "
+                "offload scaletrain runs its own optimizer (optim.*) on the CPU; remove the key"
+            )
+        ds["zero_force_ds_cpu_optimizer"] = False
     ds.setdefault("steps_per_print", 10**9)  # our loop prints its own log lines
     ds.setdefault("wall_clock_breakdown", False)
     return ds
