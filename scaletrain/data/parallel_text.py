@@ -14,13 +14,15 @@ layout a file has, because a 4-column line can be legitimate text in the 2-colum
       ``unknown_lang`` and dropped; without ``--langs`` the list is every code in the files
       (``tsv_languages``, one streaming pass).
 
-Everything streams: files are read line by line in binary (never a whole corpus in memory).
+A UTF-8 byte order mark at the start of a file (Windows editors write one) is not text: it is removed
+from the first line. Everything streams: files are read line by line in binary (never a whole corpus in memory).
 A cheap first pass (``index_lines``) counts lines with numpy and records the byte offset of every
 ``every``-th line, so the work can be cut into independent line ranges (one output shard each)
 that worker processes read with one seek.
 
 Filtering (``PairFilter``), per pair, first rule that fires is counted:
     ``malformed``     TSV line without exactly one tab (4-column TSV: not 3 tabs, or src_lang == tgt_lang)
+    ``nul``           either side holds a NUL byte (binary junk, never text)
     ``invalid_utf8``  either side is not valid UTF-8
     ``empty``         either side empty after stripping surrounding whitespace
     ``too_long``      either side longer than ``max_bytes`` (default 800) bytes
@@ -40,7 +42,8 @@ import numpy as np
 
 from scaletrain.errors import ScaletrainError
 
-FILTER_REASONS = ("malformed", "invalid_utf8", "empty", "too_long", "ratio")
+FILTER_REASONS = ("malformed", "nul", "invalid_utf8", "empty", "too_long", "ratio")
+BOM = b"\xef\xbb\xbf"
 KEPT_NOTES = ("invalid_utf8_kept",)  # "reasons" that are counted but do not drop the pair
 _CHUNK = 1 << 22
 
@@ -94,13 +97,16 @@ def check_same_lines(a: LineIndex, b: LineIndex) -> None:
 
 
 def read_lines(path: str | Path, offset: int, n: int) -> Iterator[bytes]:
-    """``n`` raw lines (without the newline) starting at byte ``offset``."""
+    """``n`` raw lines (without the newline) starting at byte ``offset``; a UTF-8 BOM opening the file is
+    dropped."""
     with open(path, "rb") as f:
         f.seek(offset)
-        for _ in range(n):
+        for i in range(n):
             line = f.readline()
             if not line:
                 return
+            if i == 0 and offset == 0 and line.startswith(BOM):
+                line = line[len(BOM):]
             yield line[:-1] if line.endswith(b"\n") else line
 
 
@@ -147,6 +153,8 @@ def tsv_languages(path: str | Path) -> set[str]:
     try:
         with open(path, "rb") as f:
             for i, line in enumerate(f, 1):
+                if i == 1 and line.startswith(BOM):
+                    line = line[len(BOM):]
                 if line.count(b"\t") != 3:
                     continue
                 a, b, _ = line.split(b"\t", 2)
@@ -184,6 +192,8 @@ class PairFilter:
         if pair is None:
             return "malformed", b"", b""
         src, tgt = pair
+        if b"\0" in src or b"\0" in tgt:
+            return "nul", b"", b""
         note = None
         try:  # validate; re-encode only when stripping changed something
             u, v = src.decode("utf-8"), tgt.decode("utf-8")

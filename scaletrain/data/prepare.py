@@ -495,6 +495,21 @@ def corpora_from_args(args) -> tuple[list[ParallelCorpus], dict]:
     return corpora, ({"type": args.source, "lang_columns": True} if lang_columns else {"type": args.source})
 
 
+def cleaning_summary(cleaning: dict) -> str:
+    """One line of what the cleaning kept and dropped (the manifest's ``cleaning.total``), e.g.
+    ``cleaning: 1,000 lines read, 990 kept; dropped: malformed 3, nul 2, too_long 5``."""
+    total = dict((cleaning or {}).get("total") or {})
+    if not total:
+        return ""
+    read_key = "lines" if "lines" in total else "entries"
+    read, kept = total.pop(read_key, 0), total.pop("kept", 0)
+    notes = {k: total.pop(k) for k in list(total) if k in KEPT_NOTES or k.endswith("_stripped")}
+    dropped = ", ".join(f"{k} {v:,}" for k, v in total.items() if v) or "none"
+    line = f"cleaning: {read:,} {'lines' if read_key == 'lines' else 'catalog entries'} read, {kept:,} kept; dropped: {dropped}"
+    kept_notes = ", ".join(f"{k} {v:,}" for k, v in notes.items() if v)
+    return line + (f"; kept with notes: {kept_notes}" if kept_notes else "")
+
+
 def prepare_from_args(args) -> int:
     """Run ``prepare`` for parsed ``add_prepare_arguments`` args; prints a summary, returns 0."""
     source = args.source
@@ -542,6 +557,9 @@ def prepare_from_args(args) -> int:
     n = {s: info.n_examples for s, info in m.splits.items()}
     print(f"wrote {out}: {len(m.languages)} languages, {sum(n.values()):,} examples "
           f"({', '.join(f'{s} {v:,}' for s, v in n.items())})")
+    summary = cleaning_summary(m.cleaning)
+    if summary:
+        print(summary)
     no_eval = m.source.get("no_eval") if isinstance(m.source, dict) else None
     if no_eval:
         print(f"train only (no valid/test, left out of evaluation): {', '.join(no_eval)}")
