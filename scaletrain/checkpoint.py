@@ -7,11 +7,13 @@ Layout of a run directory::
                      trainer_state.json step, tokens/examples seen, MLflow run id
                      config.yaml       the resolved config
                      langs.json        vocabulary languages (manifest order)
+                     index.json        sha256 and size of every file above, written last
     OUT/checkpoints/latest             name of the newest complete checkpoint
 
 A checkpoint is written under ``step-N.partial`` and renamed when every rank has finished, then
 ``latest`` is replaced atomically: a crash during a save leaves the previous checkpoint loadable and
-``latest`` never names a partial one.
+``latest`` never names a partial one. Resume verifies ``index.json`` and falls back to the newest intact
+checkpoint (``train.on_corrupt_checkpoint``); every file is loaded weights-only (``scaletrain.safeload``).
 """
 from __future__ import annotations
 
