@@ -82,6 +82,9 @@ class TrainConfig:
     # a save that fails (full disk, permissions): stop = fail naming the path and the free space |
     # continue = warn and train on without that checkpoint; the previous checkpoint stays intact either way
     on_save_error: str = "stop"
+    # SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary and exit 75; without a step boundary
+    # within this many seconds, exit without one (the deepspeed launcher sends SIGKILL 30 s after SIGTERM)
+    preempt_grace_seconds: float = 20.0
     bleu_every: int = 0  # BLEU/chrF on eval.valid_lines per direction every N steps (0 = off)
     best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
     best_mode: str = "max"  # max | min
@@ -392,7 +395,8 @@ def validate(cfg: Config) -> None:
         bad("train.on_save_error", f"must be stop or continue, got {cfg.train.on_save_error!r}")
     if cfg.train.best_mode not in ("max", "min"):
         bad("train.best_mode", f"must be max or min, got {cfg.train.best_mode!r}")
-    for k in ("bleu_every", "patience", "valid_every", "save_every", "keep_last", "max_minutes"):
+    for k in ("bleu_every", "patience", "valid_every", "save_every", "keep_last", "max_minutes",
+              "preempt_grace_seconds"):
         if getattr(cfg.train, k) < 0:
             bad(f"train.{k}", "must be >= 0")
     for k in ("log_every", "valid_max_batches"):

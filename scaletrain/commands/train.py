@@ -3,7 +3,9 @@
     scaletrain train --config small data.shards=shards/mini optim.lr=2e-3
     scaletrain train --config small --print-config
 
-The work is :func:`scaletrain.train.train`; rank 0 prints a one-line summary at the end.
+The work is :func:`scaletrain.train.train`; rank 0 prints a one-line summary at the end. SIGTERM,
+SIGUSR1 or SIGINT: a checkpoint at the next step boundary, the MLflow run ends KILLED, exit code 75;
+re-running the same command resumes.
 """
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import os
 
 
 def register(subparsers) -> None:
-    tr = subparsers.add_parser("train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)")
+    tr = subparsers.add_parser(
+        "train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)",
+        epilog="SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary, MLflow run KILLED, exit 75 "
+               "(train.preempt_grace_seconds); re-run the same command to resume.")
     tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
     tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -28,6 +33,13 @@ def run(args) -> int:
     from scaletrain.train import train
 
     res = train(cfg)
+    if res.preempted:
+        from scaletrain.train.preemption import PREEMPTED_EXIT
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"preempted at step {res.steps}: checkpoint {res.final_checkpoint}; MLflow run {res.run_id} "
+                  f"ended KILLED; exit {PREEMPTED_EXIT}; re-run the same command to resume")
+        return PREEMPTED_EXIT
     if int(os.environ.get("RANK", "0")) == 0:
         first, last = res.valid_nll[0][1], res.valid_nll[-1][1]
         print(

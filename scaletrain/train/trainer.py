@@ -26,7 +26,8 @@ from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
-from scaletrain.train.unit import TranslationUnit, train_step
+from scaletrain.train.preemption import Preemption
+from scaletrain.train.unit import StopVote, TranslationUnit, train_step
 from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")
@@ -43,6 +44,7 @@ class TrainResult:
     run_id: str | None
     out_dir: str
     final_checkpoint: str
+    preempted: bool = False  # stopped by SIGTERM/SIGUSR1/SIGINT after writing final_checkpoint
 
 
 def seed_everything(seed: int) -> None:
@@ -84,6 +86,8 @@ class Trainer:
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker)
         self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
+        self.preemption = Preemption(tc.preempt_grace_seconds)
+        self.preempted = False
 
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces())
@@ -100,13 +104,16 @@ class Trainer:
         if self.cfg.train.valid_every and st.step == 0:
             self.evaluator.validation_loss()  # the start of the validation curve
         batches = iter(self.stream)
+        self.preemption.install()
         eng.train(True)
         self.clock.start()
         self.logger.start()
         while st.step < self.cfg.train.max_steps:
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
-            out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded())
-            if out is None:  # the wall-clock budget is spent (all ranks agree)
+            out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded(),
+                             preempt_vote=self.preemption.requested)
+            if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
+                self.preempted = out.preempted
                 break
             st.step += 1
             st.skipped_steps += int(out.info.skipped)
@@ -123,7 +130,12 @@ class Trainer:
 
     def _finish(self, baseline: float) -> TrainResult:
         st = self.state
-        if not st.valid_history or st.valid_history[-1][0] != st.step:
+        if self.preempted:  # no validation: the grace period is for the checkpoint
+            self.preemption.cancel_grace()
+            if self.engine.is_main:
+                log.info("preempted (%s) at step %d: writing a checkpoint; re-run the same command to resume",
+                         self.preemption.signal_name or "signal on another rank", st.step)
+        elif not st.valid_history or st.valid_history[-1][0] != st.step:
             self.evaluator.validation_loss()
         final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
         if self.engine.is_main:
@@ -132,7 +144,7 @@ class Trainer:
         return TrainResult(
             steps=st.step, tokens=st.tokens_seen, valid_nll=list(st.valid_history),
             train_loss=list(self.logger.loss_history), unigram_nll=baseline, train_seconds=st.train_seconds,
-            run_id=st.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final),
+            run_id=st.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final), preempted=self.preempted,
         )
 
     # ------------------------------------------------------------------------------
@@ -192,15 +204,18 @@ class Trainer:
         return base_nll
 
     def close(self, status: str = "FINISHED") -> None:
-        self.tracker.end(status)
+        self.preemption.uninstall()
+        self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
 
 
 def train(cfg: Config) -> TrainResult:
+    """Train; a preempted job returns with ``result.preempted`` (checkpoint written, MLflow run KILLED):
+    ``scaletrain train`` then exits with :data:`scaletrain.train.preemption.PREEMPTED_EXIT`."""
     trainer = Trainer(cfg)
     try:
         result = trainer.fit()
-    except BaseException:
-        trainer.close("FAILED")
+    except BaseException as e:
+        trainer.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     trainer.close("FINISHED")
     if trainer.engine.is_main:

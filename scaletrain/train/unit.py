@@ -39,17 +39,26 @@ class StepOutput:
     examples: int
 
 
-def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool) -> StepOutput | None:
-    """One update over ``micro`` (grad_accum batches). None when any rank voted to stop (all agree).
+@dataclass
+class StopVote:
+    """Returned by :func:`train_step` instead of an update when any rank voted to stop (all ranks agree)."""
+    preempted: bool  # some rank got a preemption signal (else: the wall-clock budget is spent)
+
+
+def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool,
+               preempt_vote: bool = False) -> StepOutput | StopVote:
+    """One update over ``micro`` (grad_accum batches), or a :class:`StopVote` when any rank voted to stop
+    (``stop_vote``: budget spent; ``preempt_vote``: a preemption signal); the votes ride on the step's
+    token all-reduce, so every rank stops at the same step.
 
     Loss normalisation: the target tokens of the whole step (all ranks, all micro-batches) are
     all-reduced first, and each micro-batch's summed loss is scaled so that, after the engine's averaging
     over ranks and accumulation steps, the gradient is d(sum of losses)/d(theta) / (global target tokens).
     """
     local_tok = sum(b.n_tgt_tokens for b in micro)
-    g_tok, g_stop = engine.all_reduce_sum([local_tok, 1.0 if stop_vote else 0.0])
-    if g_stop > 0:
-        return None
+    g_tok, g_stop, g_preempt = engine.all_reduce_sum([local_tok, float(stop_vote), float(preempt_vote)])
+    if g_stop > 0 or g_preempt > 0:
+        return StopVote(preempted=g_preempt > 0)
     scale = engine.world_size * len(micro) / g_tok
     loss_acc = nll_acc = 0.0
     ntok_acc = examples = 0
