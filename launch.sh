@@ -23,6 +23,8 @@ options:
   --engine E             deepspeed (default) or accelerate
   --out DIR              run directory (default: runs/RECIPE-TIMESTAMP)
   --no-eval              skip evaluation
+SIGTERM/SIGINT/SIGUSR1 to this script or the job's process group: every rank checkpoints at the next step
+boundary, the MLflow run ends KILLED, exit code 75; re-run with the same --out to resume.
   KEY=VALUE              config overrides (e.g. train.max_steps=200)
 USAGE
 }
@@ -83,11 +85,29 @@ if [[ "$engine" == accelerate ]]; then
   else
     acc_args+=(--config_file ds_configs/accelerate_ddp.yaml)
   fi
-  accelerate launch "${acc_args[@]}" -m scaletrain train --config "$recipe" "${overrides[@]}"
+  launch_cmd=(accelerate launch "${acc_args[@]}" -m scaletrain train --config "$recipe" "${overrides[@]}")
 else
-  deepspeed --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain \
-    train --config "$recipe" "${overrides[@]}"
+  launch_cmd=(deepspeed --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain
+              train --config "$recipe" "${overrides[@]}")
 fi
+# Preemption: a signal to this script alone (a container runtime's SIGTERM to PID 1) goes to the launcher
+# and every rank (the deepspeed runner forwards signals only for multi-node launches). The ranks
+# checkpoint at the next step boundary and exit; we exit 75 and a re-run with the same --out resumes.
+rm -f "$out/preempted.json"
+set -m  # the launcher and its ranks get a process group of their own
+"${launch_cmd[@]}" &
+child=$!
+set +m
+forward() { kill -s "$1" -- "-$child" 2>/dev/null || true; }
+trap 'forward TERM' TERM; trap 'forward INT' INT; trap 'forward USR1' USR1
+while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done  # a trapped signal interrupts wait
+rc=0; wait "$child" || rc=$?
+trap - TERM INT USR1
+if [[ -f "$out/preempted.json" ]]; then
+  echo "== preempted: $(cat "$out/preempted.json"); re-run with --out $out (same arguments) to resume" >&2
+  exit 75
+fi
+[[ $rc -eq 0 ]] || exit "$rc"
 t1=$(date +%s)
 echo "== training took $((t1 - t0))s"
 if [[ $do_eval == 1 ]]; then

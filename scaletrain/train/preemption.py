@@ -7,7 +7,9 @@ The handler only records the signal; at each step boundary every rank casts its 
 all-reduce (:func:`scaletrain.train.unit.train_step`), so all ranks agree on the same step even when
 only one of them got the signal. The loop then writes a checkpoint, the MLflow run ends KILLED and the
 process exits with :data:`PREEMPTED_EXIT` (75, EX_TEMPFAIL: "try again"); re-running the same command
-resumes. If no step boundary arrives within ``train.preempt_grace_seconds`` of the signal (a stuck
+resumes. Rank 0 also writes ``OUT/preempted.json`` (step, checkpoint, signal): the ``deepspeed``
+launcher itself exits 1 when it receives a signal, so ``launch.sh`` reads that file to exit 75 too.
+If no step boundary arrives within ``train.preempt_grace_seconds`` of the signal (a stuck
 collective, a very long step), the process exits with 128 + the signal number without a checkpoint,
 before the launcher's SIGKILL. A second SIGINT interrupts at once (KeyboardInterrupt).
 """
@@ -22,6 +24,7 @@ import threading
 log = logging.getLogger("scaletrain")
 
 PREEMPTED_EXIT = 75
+PREEMPTED_FILE = "preempted.json"  # OUT/preempted.json: written by rank 0 after the checkpoint, removed at start
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 

@@ -26,7 +26,7 @@ from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
-from scaletrain.train.preemption import Preemption
+from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.unit import StopVote, TranslationUnit, train_step
 from scaletrain.vocab import load_vocab
 
@@ -97,6 +97,7 @@ class Trainer:
         st, eng = self.state, self.engine
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
+            (Path(self.out_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
         eng.barrier()
         self._resume()
         self._start_tracking()
@@ -138,6 +139,9 @@ class Trainer:
         elif not st.valid_history or st.valid_history[-1][0] != st.step:
             self.evaluator.validation_loss()
         final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
+        if self.preempted and self.engine.is_main:  # launch.sh reads it: the launchers exit 1 on a signal
+            (Path(self.out_dir) / PREEMPTED_FILE).write_text(json.dumps(
+                {"step": st.step, "checkpoint": str(final), "signal": self.preemption.signal_name}))
         if self.engine.is_main:
             self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
             self.tracker.flush()
