@@ -328,6 +328,41 @@ def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config
     return from_dict(data)
 
 
+def _validate_numbers(cfg: Config, bad) -> None:
+    """Ranges of the numeric keys of data, optim, train and eval (the model's are in ModelConfig)."""
+    for section in ("data", "optim", "engine", "train", "eval"):  # nan/inf never make sense
+        for f in dataclasses.fields(getattr(cfg, section)):
+            v = getattr(getattr(cfg, section), f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                bad(f"{section}.{f.name}", f"must be a finite number, got {v!r}")
+    if cfg.data.max_bytes < 1:
+        bad("data.max_bytes", "must be >= 1")
+    for key in ("data.seed", "train.seed"):
+        sec, k = key.split(".")
+        if getattr(getattr(cfg, sec), k) < 0:
+            bad(key, "must be >= 0")
+    if cfg.optim.lr <= 0:
+        bad("optim.lr", "must be > 0")
+    if not all(0 <= b < 1 for b in cfg.optim.betas):
+        bad("optim.betas", f"both must be in [0, 1), got {list(cfg.optim.betas)}")
+    if cfg.optim.eps <= 0:
+        bad("optim.eps", "must be > 0")
+    if cfg.optim.weight_decay < 0:
+        bad("optim.weight_decay", "must be >= 0")
+    if cfg.optim.warmup_steps < 0:
+        bad("optim.warmup_steps", "must be >= 0 (0 = no warm-up)")
+    if cfg.optim.warmup_init_lr < 0:
+        bad("optim.warmup_init_lr", "must be >= 0")
+    if cfg.optim.clip_norm < 0:
+        bad("optim.clip_norm", "must be >= 0 (0 = no clipping)")
+    for k in ("batch_tokens", "valid_lines"):
+        if getattr(cfg.eval, k) < 1:
+            bad(f"eval.{k}", "must be >= 1")
+    for k in ("max_len_a", "max_len_b"):
+        if getattr(cfg.eval, k) < 0:
+            bad(f"eval.{k}", "must be >= 0")
+
+
 def validate(cfg: Config) -> None:
     def bad(key, msg):
         raise ScaletrainError(f"config key '{key}': {msg}")
@@ -360,31 +395,7 @@ def validate(cfg: Config) -> None:
     if cfg.data.spm_vocab_size and cfg.data.tokenizer != "spm":
         bad("data.spm_vocab_size", f"is set ({cfg.data.spm_vocab_size}) but data.tokenizer is "
             f"{cfg.data.tokenizer!r}; set data.tokenizer=spm")
-    for section in ("data", "optim", "engine", "train", "eval"):  # nan/inf never make sense
-        for f in dataclasses.fields(getattr(cfg, section)):
-            v = getattr(getattr(cfg, section), f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                bad(f"{section}.{f.name}", f"must be a finite number, got {v!r}")
-    if cfg.data.max_bytes < 1:
-        bad("data.max_bytes", "must be >= 1")
-    for key in ("data.seed", "train.seed"):
-        sec, k = key.split(".")
-        if getattr(getattr(cfg, sec), k) < 0:
-            bad(key, "must be >= 0")
-    if cfg.optim.lr <= 0:
-        bad("optim.lr", "must be > 0")
-    if not all(0 <= b < 1 for b in cfg.optim.betas):
-        bad("optim.betas", f"both must be in [0, 1), got {list(cfg.optim.betas)}")
-    if cfg.optim.eps <= 0:
-        bad("optim.eps", "must be > 0")
-    if cfg.optim.weight_decay < 0:
-        bad("optim.weight_decay", "must be >= 0")
-    if cfg.optim.warmup_steps < 0:
-        bad("optim.warmup_steps", "must be >= 0 (0 = no warm-up)")
-    if cfg.optim.warmup_init_lr < 0:
-        bad("optim.warmup_init_lr", "must be >= 0")
-    if cfg.optim.clip_norm < 0:
-        bad("optim.clip_norm", "must be >= 0 (0 = no clipping)")
+    _validate_numbers(cfg, bad)
     if not 0 <= cfg.optim.label_smoothing < 1:
         bad("optim.label_smoothing", "must be in [0, 1)")
     if cfg.train.max_steps < 1:
@@ -408,12 +419,6 @@ def validate(cfg: Config) -> None:
         bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
     if cfg.eval.beam < 1:
         bad("eval.beam", "must be >= 1")
-    for k in ("batch_tokens", "valid_lines"):
-        if getattr(cfg.eval, k) < 1:
-            bad(f"eval.{k}", "must be >= 1")
-    for k in ("max_len_a", "max_len_b"):
-        if getattr(cfg.eval, k) < 0:
-            bad(f"eval.{k}", "must be >= 0")
 
 
 def dump_yaml(cfg: Config) -> str:
