@@ -81,9 +81,9 @@ def isolated_env():
 
 
 def two_rank_training(out: Path, recipe: str, *overrides: str, tmp_path: Path, steps: int = 10):
-    """Train ``recipe`` on 2 ranks under the ``deepspeed`` launcher (tests/dist_driver.py), check what every
-    2-rank run must show (world size 2, ``steps`` steps on both ranks, falling loss, identical parameters on
-    both ranks, the final checkpoint loads as exactly those parameters) and return
+    """Train ``recipe`` on 2 ranks under the ``deepspeed`` launcher (tests/integration/dist_driver.py), check
+    what every 2-rank run must show (world size 2, ``steps`` steps on both ranks, falling loss, identical
+    parameters on both ranks, the final checkpoint loads as exactly those parameters) and return
     ``(model, cfg, vocab, trainer_state)`` of that checkpoint."""
     import json
 
@@ -92,7 +92,7 @@ def two_rank_training(out: Path, recipe: str, *overrides: str, tmp_path: Path, s
     from scaletrain.checkpoint import load_for_inference
 
     out.mkdir(exist_ok=True)
-    cmd = deepspeed_cmd(2, "tests/dist_driver.py", str(out), recipe, *overrides)
+    cmd = deepspeed_cmd(2, "tests/integration/dist_driver.py", str(out), recipe, *overrides)
     run(cmd, launcher_env(tmp_path))
     # DeepSpeed's per-rank shared-memory allreduce segments of this run were unlinked (RAM in /dev/shm)
     port = cmd[cmd.index("--master_port") + 1]

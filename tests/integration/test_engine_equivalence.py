@@ -1,6 +1,6 @@
 """The core guarantee: the parallel layout changes memory and speed, not the maths.
 
-Same seed, same data (tests/test_engine_replay.py: every layout sees the same global batch per
+Same seed, same data (tests/integration/test_engine_replay.py: every layout sees the same global batch per
 update), tiny model, 20 updates, CPU/gloo. Four launches in all, each training several layouts in turn:
 
 * 1 process (DeepSpeed ZeRO-0): ``ref`` (k=2 accumulation), ``ref4`` (k=4), ``merged`` (k=1 over the
@@ -23,7 +23,7 @@ import torch
 
 from conftest import ROOT, deepspeed_cmd, free_port, launcher_env, run
 
-DRIVER = "tests/test_engine_replay.py"
+DRIVER = "tests/integration/test_engine_replay.py"
 STEPS = 20
 RTOL = 1e-4  # loss: fp32 round-off measured here <= 5e-6 relative over 20 updates; a different batch: ~1e-1
 PTOL = 1e-3  # parameters, ||a - b|| / ||b||: round-off gives <= 1e-4 (Adam turns tiny gradient differences
@@ -161,7 +161,7 @@ def test_export_zero3_round_trip_without_deepspeed(runs, django_shards, tmp_path
 import json, sys, yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
-sys.path.insert(0, {str(ROOT / 'tests')!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from scaletrain.config import from_dict
 from scaletrain.models import build_model
 from scaletrain.vocab import ByteVocab

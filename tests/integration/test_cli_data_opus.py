@@ -143,7 +143,7 @@ def test_opus100_two_rank_training(opus_shards, tmp_path):
             "data.max_tokens=1200", "optim.warmup_steps=5", "train.log_every=5", "train.valid_every=10",
             "train.valid_max_batches=2", "train.save_every=0", "train.max_minutes=0", "train.max_steps=10"]
     args = [str(out), "small", f"data.shards={opus_shards}", f"train.out_dir={out}", *tiny]
-    p = run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
+    p = run(deepspeed_cmd(2, "tests/integration/dist_driver.py", *args), launcher_env(tmp_path))
     res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in res] == [2, 2], p.stdout[-2000:]
     assert res[0]["steps"] == res[1]["steps"] == 10

@@ -19,7 +19,7 @@ def test_two_ranks_deepspeed_loss_falls_params_identical(django_shards, tmp_path
     out = tmp_path / "run"
     out.mkdir()
     args = [str(out), "small", f"data.shards={django_shards}", f"train.out_dir={out}", "train.max_steps=50", *TINY]
-    p = run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
+    p = run(deepspeed_cmd(2, "tests/integration/dist_driver.py", *args), launcher_env(tmp_path))
     res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in res), p.stdout[-2000:]
     losses = res[0]["train_loss"]

@@ -19,7 +19,7 @@ from conftest import ROOT, free_port, launcher_env
 
 from test_engine_replay import batch_pair_hashes
 
-DRIVER = "tests/test_engine_replay.py"
+DRIVER = "tests/integration/test_engine_replay.py"
 
 
 @pytest.mark.slow

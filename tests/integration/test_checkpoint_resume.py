@@ -13,7 +13,7 @@ import torch
 
 from conftest import deepspeed_cmd, launcher_env, run
 
-DRIVER = "tests/test_engine_replay.py"
+DRIVER = "tests/integration/test_engine_replay.py"
 N = 6
 COMMON = ["model.dropout=0.1", "engine.ds_config=zero2.json", "optim.warmup_steps=4"]
 
