@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, deepspeed_cmd, free_port, launcher_env, run
+from helpers import REPLAY_DRIVER, deepspeed_cmd, free_port, launcher_env, run
 
-DRIVER = "tests/integration/test_engine_replay.py"
 STEPS = 20
 RTOL = 1e-4  # loss: fp32 round-off measured here <= 5e-6 relative over 20 updates; a different batch: ~1e-1
 PTOL = 1e-3  # parameters, ||a - b|| / ||b||: round-off gives <= 1e-4 (Adam turns tiny gradient differences
@@ -68,10 +67,10 @@ def runs(django_shards, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("equiv")
     env = launcher_env(out)
     sh = str(django_shards)
-    run([sys.executable, DRIVER, str(out), sh, json.dumps(SINGLE)], env)
-    run(deepspeed_cmd(2, DRIVER, str(out), sh, json.dumps(DEEPSPEED)), env)
-    run(accelerate_cmd("accelerate_ddp.yaml", 2, DRIVER, str(out), sh, json.dumps(ACC_DDP)), env)
-    run(accelerate_cmd("accelerate_deepspeed.yaml", 2, DRIVER, str(out), sh, json.dumps(ACC_DS)), env)
+    run([sys.executable, REPLAY_DRIVER, str(out), sh, json.dumps(SINGLE)], env)
+    run(deepspeed_cmd(2, REPLAY_DRIVER, str(out), sh, json.dumps(DEEPSPEED)), env)
+    run(accelerate_cmd("accelerate_ddp.yaml", 2, REPLAY_DRIVER, str(out), sh, json.dumps(ACC_DDP)), env)
+    run(accelerate_cmd("accelerate_deepspeed.yaml", 2, REPLAY_DRIVER, str(out), sh, json.dumps(ACC_DS)), env)
     return out
 
 

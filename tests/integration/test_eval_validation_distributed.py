@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import deepspeed_cmd, launcher_env, run
+from helpers import deepspeed_cmd, launcher_env, run, tiny_model
 
 DRIVER = textwrap.dedent('''
     import json, sys
@@ -41,8 +41,7 @@ DRIVER = textwrap.dedent('''
 def test_two_ranks_zero3_validation_equals_single_process(django_shards, tmp_path):
     driver = tmp_path / "val_driver.py"
     driver.write_text(DRIVER)
-    over = [f"data.shards={django_shards}", "model.d_model=32", "model.n_heads=2", "model.encoder_layers=1",
-            "model.decoder_layers=1", "model.ffn_dim=64", "model.max_positions=64", "data.max_bytes=60",
+    over = [f"data.shards={django_shards}", *tiny_model(dropout=None), "data.max_bytes=60",
             "engine.ds_config=ds_configs/zero3.json", "tracking.enabled=false"]
     run(deepspeed_cmd(2, str(driver), str(tmp_path), *over), launcher_env(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"val_rank{r}.json").read_text()) for r in (0, 1))

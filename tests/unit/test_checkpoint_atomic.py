@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from scaletrain.checkpoint import CheckpointManager, latest_tag, resolve_checkpoint
 from scaletrain.errors import ScaletrainError
 
