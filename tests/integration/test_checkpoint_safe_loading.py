@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, launcher_env
+from helpers import ROOT, launcher_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_driver import plant  # noqa: E402

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, deepspeed_cmd, launcher_env, run
+from helpers import REPLAY_DRIVER, ROOT, deepspeed_cmd, launcher_env, run
 
 CONFIGS = sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json"))
 STEPS = 3
@@ -24,9 +24,9 @@ STEPS = 3
 @pytest.mark.slow
 def test_every_shipped_ds_config_trains_on_two_cpu_ranks(django_shards, tmp_path):
     assert {"zero3_offload", "zero3_offload_optimizer"} <= set(CONFIGS)
-    driver = next(ROOT.glob("tests/**/test_engine_replay.py"))
+    driver = REPLAY_DRIVER
     jobs = [{"name": c, "overrides": [f"engine.ds_config={c}.json", f"train.max_steps={STEPS}"]} for c in CONFIGS]
-    run(deepspeed_cmd(2, str(driver), str(tmp_path), str(django_shards), json.dumps(jobs)), launcher_env(tmp_path))
+    run(deepspeed_cmd(2, driver, str(tmp_path), str(django_shards), json.dumps(jobs)), launcher_env(tmp_path))
     ref = json.loads((tmp_path / "zero0" / "result_rank0.json").read_text())["train_loss"]
     for c in CONFIGS:
         res = [json.loads((tmp_path / c / f"result_rank{r}.json").read_text()) for r in (0, 1)]

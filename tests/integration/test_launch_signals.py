@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT
+from helpers import ROOT
 
 STUB = """
 import os, signal, subprocess, sys, time

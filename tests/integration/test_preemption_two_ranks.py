@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, deepspeed_cmd, launcher_env
+from helpers import DIST_DRIVER, ROOT, deepspeed_cmd, launcher_env
 from test_engine_replay import TINY
 
 OVER = [*TINY, "train.log_every=1", "tracking.enabled=true", "train.save_every=0", "optim.warmup_steps=4"]
@@ -24,7 +24,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_resumes(django_shards, tmp
     out.mkdir()
     env = launcher_env(tmp_path)
     log = tmp_path / "first.log"
-    cmd = deepspeed_cmd(2, "tests/dist_driver.py", str(out), "small", f"data.shards={django_shards}",
+    cmd = deepspeed_cmd(2, DIST_DRIVER, str(out), "small", f"data.shards={django_shards}",
                         f"train.out_dir={out}", "train.max_steps=100000", *OVER)
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -52,7 +52,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_resumes(django_shards, tmp
 
     assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(state["run_id"]).info.status == "KILLED"
     # the same command (a larger max_steps here, to finish quickly) resumes from the preemption checkpoint
-    cmd2 = deepspeed_cmd(2, "tests/dist_driver.py", str(out), "small", f"data.shards={django_shards}",
+    cmd2 = deepspeed_cmd(2, DIST_DRIVER, str(out), "small", f"data.shards={django_shards}",
                          f"train.out_dir={out}", f"train.max_steps={step + 2}", *OVER)
     p2 = subprocess.run(cmd2, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from scaletrain.config import load_config
 from scaletrain.errors import ScaletrainError
 

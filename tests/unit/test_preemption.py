@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from scaletrain.config import load_config
 from scaletrain.train.preemption import PREEMPTED_EXIT
 from test_engine_loop import TINY, SkippingEngine
