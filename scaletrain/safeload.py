@@ -11,8 +11,8 @@ for one load. Every ``.pt`` / ``.bin`` / ``.pkl`` a checkpoint holds is read her
   Accelerate's own loaders, which call ``torch.load(..., weights_only=False)``; they run inside
   :func:`weights_only_loads`, which routes every ``torch.load`` of the process to :func:`safe_torch_load`
   for the duration. The only classes allowed beyond PyTorch's defaults are the plain-data types those
-  files were found to contain (:data:`DEEPSPEED_TYPES`: DeepSpeed's loss-scaler record, the ZeRO stage
-  enum, a fragment address) and, for Accelerate's RNG file, the numpy array types Accelerate itself
+  files were found to contain (registered by ``scaletrain.engine.deepspeed_driver``: DeepSpeed's
+  loss-scaler record, the ZeRO stage enum, a fragment address) and, for Accelerate's RNG file, the numpy array types Accelerate itself
   allowlists.
 
 A file that holds anything else is refused with one line naming the file and the global it asked
@@ -36,27 +36,22 @@ _orig_torch_load = torch.load
 _lock = threading.RLock()
 
 
-def _deepspeed_types() -> list:
-    """DeepSpeed classes found in its checkpoint files (pickle opcodes of ZeRO 0-3, fp32/bf16/fp16)."""
+_providers: list = []  # callables returning classes a checkpoint file may hold (registered by the engines)
+
+
+def register_safe_types(provider) -> None:
+    """Allow the classes ``provider()`` returns in every weights-only load (called lazily, once per load).
+
+    ``scaletrain.engine.deepspeed_driver`` registers the plain-data DeepSpeed classes found in DeepSpeed's
+    checkpoint files; nothing outside ``scaletrain/engine/`` imports DeepSpeed."""
+    if provider not in _providers:
+        _providers.append(provider)
+
+
+def _registered_types() -> list:
     out = []
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-
-        out += [LossScaler, DynamicLossScaler]
-    except ImportError:
-        pass
-    try:
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
-        out.append(ZeroStageEnum)
-    except ImportError:
-        pass
-    try:
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        out.append(fragment_address)
-    except ImportError:
-        pass
+    for provider in _providers:
+        out += list(provider())
     return out
 
 
@@ -82,7 +77,7 @@ def safe_torch_load(f, map_location="cpu", extra_globals: list | None = None, **
     Raises ScaletrainError naming ``f`` when it holds anything else, or is truncated/corrupt.
     """
     name = _name(f)
-    allowed = _deepspeed_types() + list(extra_globals or [])
+    allowed = _registered_types() + list(extra_globals or [])
     if Path(name).name.startswith("random_states_"):
         allowed += _accelerate_rng_types()
     try:

@@ -15,7 +15,35 @@ import torch
 from scaletrain.engine.base import StepInfo
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
-from scaletrain.safeload import safe_torch_load, weights_only_loads
+from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
+
+
+def deepspeed_checkpoint_types() -> list:
+    """The DeepSpeed classes in its checkpoint files (pickle opcodes of ZeRO 0-3, fp32/bf16/fp16): plain
+    records, allowed in weights-only loads (scaletrain.safeload)."""
+    out = []
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+        out += [LossScaler, DynamicLossScaler]
+    except ImportError:
+        pass
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        out.append(ZeroStageEnum)
+    except ImportError:
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out.append(fragment_address)
+    except ImportError:
+        pass
+    return out
+
+
+register_safe_types(deepspeed_checkpoint_types)
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:

@@ -66,6 +66,8 @@ def test_deepspeed_plain_data_types_are_allowed(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
+    import scaletrain.engine.deepspeed_driver  # noqa: F401  (registers DeepSpeed's checkpoint types)
+
     f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients}, f)
     st = safe_torch_load(f)
