@@ -233,7 +233,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     cfg = from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
     langs = json.loads((ckpt / "langs.json").read_text())
     vocab = load_checkpoint_vocab(ckpt, langs)
-    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces())
+    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces(), moe=cfg.moe)
     sd = load_model_weights(ckpt)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("_float_tensor")]

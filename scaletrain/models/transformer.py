@@ -18,6 +18,10 @@ Plug-in points (variants use these instead of forking the core):
   encoder layers (e.g. byte layers + n-gram fusion replacing the first L layers).
 - ``encoder_self_attn``: a factory ``(layer_index) -> nn.Module`` building each encoder layer's
   self-attention; the module is called as ``attn(x, ctx, attn_mask)`` (see ``SelfAttention``).
+- ``ffn``: a factory ``(side, layer_index) -> nn.Module | None`` ("encoder" | "decoder") for the
+  feed-forward block of each layer, None = the dense ``FeedForward`` (MoE: ``scaletrain.models.moe``).
+  A block with ``takes_pad_mask = True`` is called as ``ffn(h, pad_mask)`` in the encoder; a block
+  that keeps a tensor in ``aux_loss`` during forward adds it to ``Transformer.last_aux_loss``.
 """
 from __future__ import annotations
 
@@ -266,30 +270,38 @@ class _Residual(nn.Module):
         return self.norm(kernels.residual_dropout(x, fn(x), self.dropout, self.training, self.kernel_mode))
 
 
+def _feed_forward(cfg: ModelConfig, ffn: Optional[nn.Module]) -> nn.Module:
+    if ffn is not None:
+        return ffn
+    return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, cfg.kernels)
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, self_attn: Optional[nn.Module] = None):
+    def __init__(self, cfg: ModelConfig, self_attn: Optional[nn.Module] = None, ffn: Optional[nn.Module] = None):
         super().__init__()
         d, mode = cfg.d_model, cfg.kernels
         if self_attn is None:
             self_attn = SelfAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
         self.self_attn = self_attn
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, mode)
+        self.ffn = _feed_forward(cfg, ffn)
         self.attn_res = _Residual(d, cfg.pre_ln, cfg.dropout, mode)
         self.ffn_res = _Residual(d, cfg.pre_ln, cfg.dropout, mode)
 
     def forward(self, x, ctx: EncoderContext, attn_mask: Optional[torch.Tensor] = None):
         x = self.attn_res(x, lambda h: self.self_attn(h, ctx, attn_mask))
+        if getattr(self.ffn, "takes_pad_mask", False):  # MoE: pads are not routed
+            return self.ffn_res(x, lambda h: self.ffn(h, ctx.pad_mask))
         return self.ffn_res(x, self.ffn)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dropout: Optional[float] = None):
+    def __init__(self, cfg: ModelConfig, dropout: Optional[float] = None, ffn: Optional[nn.Module] = None):
         super().__init__()
         d, mode = cfg.d_model, cfg.kernels
         p = cfg.dropout if dropout is None else dropout
         self.self_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
         self.cross_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, mode)
+        self.ffn = _feed_forward(cfg, ffn)
         self.self_res = _Residual(d, cfg.pre_ln, p, mode)
         self.cross_res = _Residual(d, cfg.pre_ln, p, mode)
         self.ffn_res = _Residual(d, cfg.pre_ln, p, mode)
@@ -369,6 +381,7 @@ class Transformer(nn.Module):
         frontend: Optional[nn.Module] = None,
         encoder_self_attn: Optional[Callable[[int], nn.Module]] = None,
         n_encoder_layers: Optional[int] = None,
+        ffn: Optional[Callable[[str, int], Optional[nn.Module]]] = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -382,10 +395,12 @@ class Transformer(nn.Module):
         self.positions = SinusoidalPositions(d, cfg.max_positions)
         self.frontend = frontend
         n_enc = cfg.encoder_layers if n_encoder_layers is None else n_encoder_layers
+        ffn = ffn or (lambda side, i: None)
         self.encoder_layers = nn.ModuleList(
-            EncoderLayer(cfg, encoder_self_attn(i) if encoder_self_attn is not None else None) for i in range(n_enc)
+            EncoderLayer(cfg, encoder_self_attn(i) if encoder_self_attn is not None else None, ffn("encoder", i))
+            for i in range(n_enc)
         )
-        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, ffn=ffn("decoder", i)) for i in range(cfg.decoder_layers))
         if not cfg.decoder_last_layer_dropout and cfg.decoder_layers > 0:
             self.decoder_layers[-1].set_residual_dropout(0.0)
         # pre-LN stacks end with a LayerNorm (fairseq normalize_before); post-LN ones do not
@@ -438,7 +453,15 @@ class Transformer(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         self.last_aux_loss = None
-        return self.decode(tgt_in, self.encode(src))
+        logits = self.decode(tgt_in, self.encode(src))
+        self.last_aux_loss = self.collect_aux_loss()
+        return logits
+
+    def collect_aux_loss(self) -> Optional[torch.Tensor]:
+        """Sum of the auxiliary losses (e.g. MoE load balancing, coefficient applied) that plug-ins
+        kept in ``aux_loss`` during the last forward; None for a model without any."""
+        losses = [m.aux_loss for m in self.modules() if m is not self and getattr(m, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else None
 
     # ---- incremental decoding ------------------------------------------------------------
     def decode_step(

@@ -42,6 +42,9 @@ class ParallelContext:
     edp_rank: int = 0
     edp_group: Any = None
 
+    def __deepcopy__(self, memo) -> "ParallelContext":
+        return self  # process groups are handles: a copied model uses the same groups
+
     @classmethod
     def single(cls) -> "ParallelContext":
         """The trivial context of a single process (every expert local, no exchange)."""

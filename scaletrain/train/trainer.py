@@ -85,7 +85,7 @@ class Trainer:
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces())
+        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=self.cfg.moe)
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:

@@ -20,9 +20,18 @@ class TranslationUnit:
         self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
 
     def loss(self, batch):
-        """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device."""
+        """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
+
+        A model with auxiliary losses (MoE load balancing: ``last_aux_loss``, a per-batch mean with its
+        coefficient applied) adds aux * target tokens to the loss sum, so that after ``train_step``'s
+        normalisation it enters as the token-weighted mean over the step's batches (all ranks)."""
         logits = self.engine.forward(batch.src, batch.tgt_in)
-        return label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing, ignore_index=self.pad)
+        loss_sum, nll_sum, ntok = label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing,
+                                                    ignore_index=self.pad)
+        aux = getattr(self.engine.module, "last_aux_loss", None)
+        if aux is not None:
+            loss_sum = loss_sum + aux.to(loss_sum.dtype) * ntok
+        return loss_sum, nll_sum, ntok
 
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
