@@ -56,6 +56,19 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
             and x.shape[-1] % 8 == 0)
 
 
+class Router(nn.Linear):
+    """Router logits [N, E] in fp32 whatever the precision around it (autocast off, weights upcast).
+    A module of its own so that ZeRO-3 gathers its weight when it is called."""
+
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__(dim, num_experts, bias=False)
+        nn.init.normal_(self.weight, std=dim**-0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            return F.linear(h.float(), self.weight.float())
+
+
 class Experts(nn.Module):
     """This rank's experts of one layer, stacked: fc1 [n, D, F] + [n, F], fc2 [n, F, D] + [n, D].
 
@@ -123,8 +136,7 @@ class MoEFeedForward(nn.Module):
             raise ValueError(f"{moe.num_experts} experts over ep_size {self.parallel.ep_size}")
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.capacity_factor, self.aux_loss_coef = float(moe.capacity_factor), float(moe.aux_loss_coef)
-        self.router = nn.Linear(dim, moe.num_experts, bias=False)
-        nn.init.normal_(self.router.weight, std=dim**-0.5)
+        self.router = Router(dim, moe.num_experts)
         self.experts = Experts(moe.num_experts, self.parallel.local_experts(moe.num_experts), dim, ffn_dim,
                                activation, activation_dropout, kernel_mode)
         self.shared = (FeedForward(dim, ffn_dim, activation, activation_dropout, kernel_mode)
@@ -136,9 +148,7 @@ class MoEFeedForward(nn.Module):
     def route(self, h: torch.Tensor):
         """fp32 router over rows ``h`` [N, D] -> (expert index [N, k], combine weights [N, k] fp32,
         probabilities [N, E] fp32)."""
-        with torch.autocast(device_type=h.device.type, enabled=False):
-            logits = F.linear(h.float(), self.router.weight.float())
-        probs = logits.softmax(dim=-1)
+        probs = self.router(h).softmax(dim=-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -20,10 +20,10 @@ def routing_metrics(model: nn.Module, langs: list[str] | None = None, reset: boo
     ``model`` may be wrapped (DeepSpeed/DDP ``.module``).
     """
     inner = getattr(model, "module", model)
+    out: dict[str, float] = moe_metrics(inner, reset)
     fn = getattr(inner, "routing_stats", None)
     if not callable(fn):
-        return {}
-    out: dict[str, float] = {}
+        return out
     for name, st in fn(reset=reset).items():
         sel, radius, tokens = st.get("selection") or [], st.get("mean_radius") or [], st.get("tokens") or []
         if not sel:
@@ -50,4 +50,24 @@ def routing_metrics(model: nn.Module, langs: list[str] | None = None, reset: boo
             for e, k in enumerate(kernels):
                 out[f"{prefix}/all/share_k{k}"] = agg[e] / tot_tok
             out[f"{prefix}/all/mean_radius"] = agg_r / tot_tok
+    return out
+
+
+def moe_metrics(model: nn.Module, reset: bool = True) -> dict[str, float]:
+    """Per MoE feed-forward layer (scaletrain.models.moe), this rank's counts since the last reset:
+    ``moe/<layer>/dropped`` (fraction of the routed (token, slot) pairs dropped by the capacity limit;
+    0 when dropless) and ``moe/<layer>/max_load`` (the busiest expert's share of the kept pairs times
+    the number of experts: 1 = perfectly balanced, E = everything on one expert)."""
+    out: dict[str, float] = {}
+    for name, mod in model.named_modules():
+        fn = getattr(mod, "moe_stats", None)
+        if not callable(fn):
+            continue
+        st = fn(reset=reset)
+        if not st["pairs"]:
+            continue
+        layer = name.replace(".ffn", "").replace("_layers", "")
+        kept = sum(st["load"])
+        out[f"moe/{layer}/dropped"] = st["dropped"] / st["pairs"]
+        out[f"moe/{layer}/max_load"] = max(st["load"]) * len(st["load"]) / kept if kept else 0.0
     return out
