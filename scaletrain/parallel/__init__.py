@@ -5,6 +5,8 @@
   builder; a single process gets the trivial one.
 - ``exchange.py``: the token exchange of expert parallelism, testable without a model: per-expert
   count exchange, variable-size all-to-all with autograd, permute / unpermute by destination expert.
+- ``grads.py``: expert-gradient reduction over the expert-data-parallel group (scaled by the world
+  size, so the update does not depend on ep_size) and the clipping norm that counts each expert once.
 """
 from scaletrain.parallel.context import ParallelContext, build_parallel_context, ep_size_problem
 
