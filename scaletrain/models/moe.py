@@ -204,6 +204,8 @@ class MoEFeedForward(nn.Module):
 
     @torch.no_grad()
     def _count(self, idx: torch.Tensor, kept: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward (activation checkpointing)
+            return
         self._stats["pairs"] += idx.numel()
         self._stats["dropped"] += idx.numel() - int(kept.sum())
         self._stats["load"] += kept.cpu()
