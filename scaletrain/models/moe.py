@@ -26,8 +26,8 @@ Expert parameters are stacked per layer ([local experts, ...]) and carry ``p.exp
 over the expert-data-parallel group only; checkpoint consolidation reads the same mark, and
 ``Experts.first_expert`` / ``num_experts`` say which slice of the layer's experts a rank holds.
 
-Padding: encoder layers hand the pad mask in, and pad positions are neither routed nor counted
-(their output is 0); decoder layers route every position (the decoder does not see the target pads).
+Padding: encoder and decoder layers hand their pad masks in (source pads; decoder-input pads), and
+pad positions are neither routed nor counted in the aux loss or the capacity (their output is 0).
 """
 from __future__ import annotations
 

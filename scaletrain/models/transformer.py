@@ -20,7 +20,8 @@ Plug-in points (variants use these instead of forking the core):
   self-attention; the module is called as ``attn(x, ctx, attn_mask)`` (see ``SelfAttention``).
 - ``ffn``: a factory ``(side, layer_index) -> nn.Module | None`` ("encoder" | "decoder") for the
   feed-forward block of each layer, None = the dense ``FeedForward`` (MoE: ``scaletrain.models.moe``).
-  A block with ``takes_pad_mask = True`` is called as ``ffn(h, pad_mask)`` in the encoder; a block
+  A block with ``takes_pad_mask = True`` is called as ``ffn(h, pad_mask)`` (encoder: the source pads;
+  decoder: the pad positions of the decoder input); a block
   that keeps a tensor in ``aux_loss`` during forward adds it to ``Transformer.last_aux_loss``.
 """
 from __future__ import annotations
@@ -336,9 +337,13 @@ class DecoderLayer(nn.Module):
                 layer_cache["ck"], layer_cache["cv"] = k, v
         return a.attend(q, k, v, key_mask)
 
-    def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None):
+    def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None,
+                pad_mask: Optional[torch.Tensor] = None):
+        """``pad_mask`` [B, T] (True = pad decoder input) is handed to a feed-forward block that takes it."""
         x = self.self_res(x, lambda h: self._self(h, layer_cache))
         x = self.cross_res(x, lambda h: self._cross(h, enc, key_mask, layer_cache))
+        if pad_mask is not None and getattr(self.ffn, "takes_pad_mask", False):  # MoE: pads are not routed
+            return self.ffn_res(x, lambda h: self.ffn(h, pad_mask))
         return self.ffn_res(x, self.ffn)
 
 
@@ -447,8 +452,9 @@ class Transformer(nn.Module):
         self._check_tokens(tgt_in, "tgt_in")
         x = self._decoder_input(tgt_in, self.positions(tgt_in))
         key_mask = (~enc.pad_mask)[:, None, None, :]
+        pad_mask = tgt_in.eq(PAD)
         for layer in self.decoder_layers:
-            x = layer(x, enc, key_mask)
+            x = layer(x, enc, key_mask, None, pad_mask)
         return self._decoder_output(x)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -474,8 +480,9 @@ class Transformer(nn.Module):
             cache = DecoderCache([{} for _ in self.decoder_layers])
         x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
         key_mask = (~enc.pad_mask)[:, None, None, :]
+        pad_mask = tokens.eq(PAD)[:, None]
         for layer, lc in zip(self.decoder_layers, cache.layers):
-            x = layer(x, enc, key_mask, lc)
+            x = layer(x, enc, key_mask, lc, pad_mask)
         return self._decoder_output(x)[:, 0], cache
 
     def routing_stats(self, reset: bool = True) -> dict:

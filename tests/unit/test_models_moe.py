@@ -191,3 +191,15 @@ def test_activation_checkpointing_same_gradients_and_counts_once():
     assert runs[0][0] == runs[1][0] and runs[0][0]["pairs"] == 2 * 6 * 2
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(a, b)
+
+
+def test_decoder_pads_are_not_routed():
+    torch.manual_seed(0)
+    m = build_model(_tiny(), 260, moe=MoEConfig(num_experts=2, top_k=1, every=2))
+    src, tgt = torch.randint(4, 260, (2, 6)), torch.randint(4, 260, (2, 5))
+    src[1, 4:] = 0
+    tgt[0, 3:] = 0
+    logits = m(src, tgt)
+    assert m.encoder_layers[1].ffn.moe_stats()["pairs"] == 10 and m.decoder_layers[1].ffn.moe_stats()["pairs"] == 8
+    short = m(src[:1], tgt[:1, :3])  # the real positions do not depend on the padding
+    torch.testing.assert_close(short, logits[:1, :3], atol=1e-5, rtol=1e-5)
