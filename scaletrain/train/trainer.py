@@ -85,7 +85,9 @@ class Trainer:
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=self.cfg.moe)
+        moe = self.cfg.moe
+        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=moe,
+                           parallel=self.engine.parallel_context(moe.ep_size))
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:

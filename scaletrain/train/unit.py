@@ -35,7 +35,8 @@ class TranslationUnit:
 
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
-        return routing_metrics(self.engine.module, self.langs, reset=reset)
+        # MoE counts are summed over the ranks (collective: every rank calls this at the same points)
+        return routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
 
 
 @dataclass

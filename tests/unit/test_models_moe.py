@@ -203,3 +203,23 @@ def test_decoder_pads_are_not_routed():
     assert m.encoder_layers[1].ffn.moe_stats()["pairs"] == 10 and m.decoder_layers[1].ffn.moe_stats()["pairs"] == 8
     short = m(src[:1], tgt[:1, :3])  # the real positions do not depend on the padding
     torch.testing.assert_close(short, logits[:1, :3], atol=1e-5, rtol=1e-5)
+
+
+def test_moe_metrics_sum_the_counts_before_the_shares():
+    from scaletrain.models.routing_stats import moe_metrics
+
+    torch.manual_seed(0)
+    m = build_model(_tiny(), 260, moe=MoEConfig(num_experts=2, top_k=1, every=2, capacity_factor=0.5))
+    m(torch.randint(4, 260, (2, 6)), torch.randint(4, 260, (2, 5)))
+    local = {n: mod.moe_stats(reset=False) for n, mod in m.named_modules() if hasattr(mod, "moe_stats")}
+    seen = []
+
+    def reduce(values):  # a pretend second rank with the same counts plus one dropped pair per layer
+        seen.append(list(values))
+        return [2 * v + (1 if i % 4 == 1 else 0) for i, v in enumerate(values)]
+
+    out = moe_metrics(m, reset=True, reduce=reduce)
+    assert len(seen) == 1 and len(seen[0]) == 2 * (2 + 2)  # one collective: pairs, dropped, load[2] per layer
+    st = local["encoder_layers.1.ffn"]
+    assert out["moe/encoder.1/dropped"] == pytest.approx((2 * st["dropped"] + 1) / (2 * st["pairs"]))
+    assert moe_metrics(m) == {}  # reset
