@@ -135,8 +135,6 @@ class MoEFeedForward(nn.Module):
                  kernel_mode: str = "auto", parallel: Optional[ParallelContext] = None):
         super().__init__()
         self.parallel = parallel or ParallelContext.single()
-        if moe.num_experts % self.parallel.ep_size:
-            raise ValueError(f"{moe.num_experts} experts over ep_size {self.parallel.ep_size}")
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.capacity_factor, self.aux_loss_coef = float(moe.capacity_factor), float(moe.aux_loss_coef)
         self.router = Router(dim, moe.num_experts)
