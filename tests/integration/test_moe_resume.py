@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env, run
+from helpers import REPLAY_DRIVER, launcher_env, run
 
 N = 3
 MOE = ["model.dropout=0.1", "optim.warmup_steps=4", "engine.backend=accelerate", "engine.accelerate=ddp",
@@ -18,7 +18,7 @@ MOE = ["model.dropout=0.1", "optim.warmup_steps=4", "engine.backend=accelerate",
 
 @pytest.mark.slow
 def test_moe_resume_is_bitwise_identical(django_shards, tmp_path):
-    driver = str(next(ROOT.glob("tests/**/test_engine_replay.py")))  # the replay driver of the engine tests
+    driver = REPLAY_DRIVER  # relative to the repository root, the working directory of ``run``
     env = launcher_env(tmp_path)
     jobs = [
         [{"name": "full", "replay": False, "overrides": [f"train.max_steps={2 * N}", *MOE]}],

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_ranks import run_ranks
+from helpers import run_ranks
 from scaletrain.models.config import MoEConfig
 from scaletrain.models.moe import MoEFeedForward
 from scaletrain.parallel import ParallelContext, build_parallel_context

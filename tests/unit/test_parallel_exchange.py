@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_ranks import run_ranks
+from helpers import run_ranks
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel import ParallelContext, build_parallel_context, ep_size_problem
 from scaletrain.parallel.exchange import combine, dispatch, permute, unpermute
