@@ -1,7 +1,8 @@
 """A model with sparse MoE feed-forward layers (moe.ep_size=1) trains end to end in the real loop
 (in this process, world of one) under the DeepSpeed engine (ZeRO-0 and ZeRO-3) and the Accelerate
 engine: the loss falls, the experts have their own optimizer group, the load-balancing loss reaches
-the gradient, MoE metrics are logged, and the final checkpoint loads with exactly the trained weights."""
+the gradient, MoE metrics are logged, and the final checkpoint loads (and exports) with exactly the
+trained weights."""
 from __future__ import annotations
 
 import math
@@ -60,3 +61,12 @@ def test_moe_model_trains_saves_loads(engine, django_shards, tmp_path, isolated_
     assert sd.keys() == trained.keys() and any(".ffn.experts.w1" in k for k in sd)
     for k in trained:
         assert torch.equal(sd[k].float(), trained[k].float()), k
+    if engine == "deepspeed-zero3":  # export consolidates the ZeRO-3 shards, experts included
+        from safetensors.torch import load_file
+
+        from scaletrain.checkpoint_tools import export_checkpoint
+
+        exported = load_file(str(export_checkpoint(out, tmp_path / "model.safetensors")))
+        assert exported.keys() == trained.keys()
+        for k in trained:
+            assert torch.equal(exported[k].float(), trained[k].float()), k
