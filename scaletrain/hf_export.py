@@ -42,7 +42,6 @@ from id 260 in manifest order (``scaletrain.vocab``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -324,8 +323,3 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32", eval_json=
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
-
-def checked_max_new_tokens(max_len_a: float, max_len_b: int, n_src_bytes: int, max_positions: int) -> int:
-    """``generate(max_new_tokens=...)`` that matches scaletrain's length limit for one source
-    (bytes, then the forced EOS)."""
-    return min(int(math.floor(n_src_bytes * max_len_a + max_len_b)), max_positions - 1) + 1
