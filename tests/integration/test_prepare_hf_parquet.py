@@ -115,6 +115,18 @@ def test_manifest_counts_and_content(hub_dir, hub_shards):
     assert len(m.splits["train"].shards) >= 6
 
 
+def test_data_stats_and_resume_of_a_complete_run(hub_dir, hub_shards):
+    p = subprocess.run([sys.executable, "-m", "scaletrain", "data", "stats", str(hub_shards)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "languages: en, de, ja, ru" in p.stdout and "train only (left out of evaluation): ja-en" in p.stdout
+    root, _, _ = hub_dir
+    before = (hub_shards / "manifest.json").read_bytes()
+    assert prepare_args("--source", "hf-parquet", "--input", str(root), "--out", str(hub_shards), "--resume",
+                        "--shard-lines", "150", "--block-size", "64") == 0
+    assert (hub_shards / "manifest.json").read_bytes() == before
+
+
 def test_stream_reads_it(hub_shards):
     m = load_manifest(hub_shards)
     s = ShardStream(hub_shards, "train", epochs=1, max_tokens=2048, max_bytes=256, buffer_size=2)
