@@ -20,8 +20,8 @@ def register(subparsers) -> None:
     ex = subparsers.add_parser("export", help="consolidate a checkpoint (ZeRO shards too) into one safetensors "
                                               "file, or export it as a Hugging Face MarianMTModel (--format hf)")
     ex.add_argument("checkpoint", help="checkpoint dir, or a run dir (uses its latest checkpoint)")
-    ex.add_argument("--out", required=True, help="output file (safetensors, e.g. model.safetensors) or "
-                    "directory (hf)")
+    ex.add_argument("--out", required=True, help="output file (safetensors, e.g. model.safetensors: translate / "
+                    "evaluate --checkpoint load it directly) or directory (hf, ct2)")
     ex.add_argument("--format", default="safetensors", choices=("safetensors", "hf", "ct2"),
                     help="safetensors: our weights in one file (default); hf: a MarianMTModel directory that "
                     "transformers loads with AutoTokenizer / AutoModelForSeq2SeqLM (post-LN byte Transformer "

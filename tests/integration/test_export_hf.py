@@ -167,6 +167,25 @@ def test_model_card_and_files(exported, trained):
     assert cfg["model_type"] == "marian" and cfg["scale_embedding"] is True
 
 
+def test_model_card_shows_the_evaluation(trained, tmp_path):
+    from scaletrain.eval.evaluate import evaluate_checkpoint, result_to_json
+    from scaletrain.hf_export import export_hf
+
+    ck, _, langs = trained
+    res = result_to_json(evaluate_checkpoint(ck, split="test", beam=1, max_lines=2, progress=False))
+    (tmp_path / "ev.json").write_text(json.dumps(res))
+    out = export_hf(ck, tmp_path / "hf", eval_json=tmp_path / "ev.json")
+    card = (out / "README.md").read_text()
+    for d in res["model"]["directions"]:
+        assert f"| {d['direction']} | {d['n_lines']} |" in card
+    for sig in res["model"]["signatures"].values():
+        assert sig in card
+    assert "Split `test`" in card
+    with pytest.raises(ScaletrainError, match="not a `scaletrain evaluate --json` report"):
+        (tmp_path / "bad.json").write_text("{}")
+        export_hf(ck, tmp_path / "hf2", eval_json=tmp_path / "bad.json")
+
+
 def test_refuses_models_that_do_not_map(django_shards, tmp_path):
     from scaletrain.hf_export import export_hf
 
