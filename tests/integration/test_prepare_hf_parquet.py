@@ -127,6 +127,32 @@ def test_data_stats_and_resume_of_a_complete_run(hub_dir, hub_shards):
     assert (hub_shards / "manifest.json").read_bytes() == before
 
 
+def test_interrupted_prepare_resumes(hub_dir, hub_shards, tmp_path, monkeypatch):
+    """A run that dies part way (the 4th row range raises) continues with --resume into the same
+    shards and manifest as the uninterrupted run."""
+    import scaletrain.data.prepare as prep
+
+    root, _, _ = hub_dir
+    real, calls = prep.read_parquet_range, []
+
+    def flaky(*a, **k):
+        calls.append(a)
+        if len(calls) == 4:
+            raise RuntimeError("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(prep, "read_parquet_range", flaky)
+    argv = ["--source", "hf-parquet", "--input", str(root), "--out", str(tmp_path / "s"), "--shard-lines", "150",
+            "--block-size", "64"]
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare_args(*argv)
+    assert (tmp_path / "s" / ".prepare").is_dir() and not (tmp_path / "s" / "manifest.json").exists()
+    monkeypatch.setattr(prep, "read_parquet_range", real)
+    assert prepare_args(*argv, "--resume") == 0
+    a, b = load_manifest(hub_shards), load_manifest(tmp_path / "s")
+    assert a.cleaning == b.cleaning and a.splits == b.splits
+
+
 def test_stream_reads_it(hub_shards):
     m = load_manifest(hub_shards)
     s = ShardStream(hub_shards, "train", epochs=1, max_tokens=2048, max_bytes=256, buffer_size=2)
