@@ -101,6 +101,37 @@ def test_logits_equal(trained, exported, django_shards):
     torch.testing.assert_close(h[real], a[real], rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_export_logits(trained, django_shards, tmp_path):
+    """--dtype bf16 stores bf16 weights (and position table); loaded back in fp32 the logits equal
+    ours run with the same bf16-rounded values (fp32 tolerance), and are within bf16 rounding of the
+    fp32 model's."""
+    import copy
+
+    from transformers import AutoModelForSeq2SeqLM
+
+    from scaletrain.hf_export import export_hf
+
+    ck, ours, _ = trained
+    out = export_hf(ck, tmp_path / "hf16", dtype="bf16")
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "model.safetensors"))["model.shared.weight"].dtype == torch.bfloat16
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    rounded = copy.deepcopy(ours)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        t = rounded.positions.table  # the stored position table is bf16 too
+        t.copy_(t.to(torch.bfloat16).float())
+    b = collate([e for e in read_split(django_shards, "test") if max(len(e.src), len(e.tgt)) < 150][:32])
+    real = b.tgt_in.ne(PAD)
+    with torch.no_grad():
+        h = hf(input_ids=b.src, attention_mask=b.src.ne(PAD), decoder_input_ids=b.tgt_in).logits[real]
+        torch.testing.assert_close(h, rounded(b.src, b.tgt_in)[real], rtol=1e-4, atol=1e-4)
+        a = ours(b.src, b.tgt_in)[real]
+    assert (h - a).abs().max() < 0.05 * a.abs().max()
+
+
 def test_greedy_generate_equals_ours(trained, exported, django_shards):
     _, ours, langs = trained
     assert_same_greedy(ours, exported, django_shards, langs)
