@@ -25,7 +25,7 @@ and mixes it with a standard learned row w_std^v by a learned per-type gate (pap
 noticeably" (paper footnote 3), is not implemented). The mixed matrix E [V, d] is SHARED by the
 decoder input embedding and the softmax (``logits = h E^T``): the paper sets w_o = w_s = w_mix.
 
-Choices beyond the paper (documented here, tested in tests/test_models_charaware.py):
+Choices beyond the paper (documented here, tested in tests/unit/test_models_charaware.py):
 - Scale: fairseq-style standard rows start with norm ~1 (std d^-1/2) and are multiplied by sqrt(d)
   at the input (``scale_embeddings``); the composed vector is multiplied by d^-1/2 so both parts of
   the mix live on the same scale at the input and in the tied softmax.

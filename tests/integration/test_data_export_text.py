@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from scaletrain.data.export_text import export_split
 from scaletrain.data.gettext import read_gettext
 from scaletrain.data.shards import Manifest, SplitWriter, load_manifest, prepare_out_dir, read_split, write_manifest

@@ -10,7 +10,7 @@ import pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from conftest import ROOT  # noqa: E402
+from helpers import ROOT  # noqa: E402
 from scaletrain.data.batch import collate  # noqa: E402
 from scaletrain.data.shards import read_split  # noqa: E402
 from scaletrain.eval.generate import generate  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
+from helpers import ROOT, tiny_model  # noqa: E402
 from scaletrain.config import dump_yaml, load_config  # noqa: E402
 from scaletrain.data.batch import collate  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402
@@ -22,8 +22,7 @@ from scaletrain.eval.generate import generate  # noqa: E402
 from scaletrain.models import build_model  # noqa: E402
 from scaletrain.vocab import EOS, LANG_OFFSET, PAD, ByteVocab  # noqa: E402
 
-TINY = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=2", "model.decoder_layers=2",
-        "model.ffn_dim=64", "model.max_positions=160", "model.dropout=0.0", "data.max_bytes=120"]
+TINY = [*tiny_model(n_heads=4, layers=2, max_positions=160), "data.max_bytes=120"]
 
 
 def save_checkpoint(path, cfg, model, langs, step=40):

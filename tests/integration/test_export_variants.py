@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env
+from helpers import ROOT, launcher_env, tiny_model
 from scaletrain.checkpoint import load_for_inference, save_vocab_files
 from scaletrain.config import dump_yaml, load_config
 from scaletrain.data.batch import collate
@@ -21,8 +21,7 @@ from scaletrain.data.spm_train import add_spm_model
 from scaletrain.models import build_model
 from scaletrain.vocab import ByteVocab, load_vocab
 
-TINY = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=2", "model.decoder_layers=2",
-        "model.ffn_dim=64", "model.max_positions=160", "model.dropout=0.0", "data.max_bytes=120",
+TINY = [*tiny_model(n_heads=4, layers=2, max_positions=160), "data.max_bytes=120",
         "eval.max_len_a=0.0", "eval.max_len_b=12", "eval.beam=2"]
 
 

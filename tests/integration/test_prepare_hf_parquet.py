@@ -14,7 +14,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from conftest import ROOT  # noqa: E402
+from helpers import ROOT  # noqa: E402
 from scaletrain.data.gettext import read_gettext, split_of  # noqa: E402
 from scaletrain.data.prepare import add_prepare_arguments, prepare_from_args  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402

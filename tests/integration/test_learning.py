@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, launcher_env, run
+from helpers import ROOT, launcher_env, run, tiny_model
 from scaletrain.data.shards import Manifest, SplitWriter, load_manifest, read_split, write_manifest
 
 PER_LANG = 20
@@ -50,8 +50,7 @@ def test_fits_and_decodes_100_real_pairs(django_shards, tmp_path):
     env["OMP_NUM_THREADS"] = "2"
     over = [
         f"data.shards={data}", f"train.out_dir={run_dir}", "data.max_bytes=48", "data.max_tokens=3000",
-        "model.d_model=128", "model.n_heads=4", "model.encoder_layers=2", "model.decoder_layers=2",
-        "model.ffn_dim=512", "model.dropout=0.0", "model.max_positions=128", "optim.lr=3e-3",
+        *tiny_model(d_model=128, n_heads=4, layers=2, ffn_dim=512, max_positions=128), "optim.lr=3e-3",
         "optim.warmup_steps=40", "optim.label_smoothing=0.0", "train.max_steps=400", "train.max_minutes=0",
         "train.log_every=50", "train.valid_every=0", "train.save_every=0", "engine.threads=2",
     ]

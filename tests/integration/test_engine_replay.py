@@ -24,17 +24,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+for _p in (ROOT, ROOT / "tests"):  # as a script: the package, and helpers
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
+from helpers import tiny_model  # noqa: E402
 from scaletrain.data.batch import Batch  # noqa: E402
 from scaletrain.vocab import PAD  # noqa: E402
 
 # A tiny model, fixed data, no dropout: differences can only come from the engine.
 TINY = [
-    "model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-    "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600",
+    *tiny_model(), "data.max_bytes=40", "data.max_tokens=600",
     "optim.lr=3e-3", "optim.warmup_steps=5", "optim.clip_norm=1.0", "train.log_every=1", "train.valid_every=0",
     "train.valid_max_batches=1", "train.save_every=0", "train.max_minutes=0", "tracking.enabled=false",
     "engine.threads=1",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 def module_names(root: Path, package: str) -> dict[str, Path]:

@@ -5,12 +5,12 @@ from collections import Counter
 
 import pytest
 
+from helpers import tiny_model
 from scaletrain.config import load_config
 from scaletrain.data.stream import ShardLoader, ShardStream
 
 TINY = [
-    "model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-    "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=1000", "train.resume=false",
+    *tiny_model(n_heads=4, dropout=None), "data.max_bytes=40", "data.max_tokens=1000", "train.resume=false",
     "tracking.enabled=false", "engine.ds_config=ds_configs/zero0.json",
 ]
 

@@ -11,9 +11,8 @@ import json
 import pytest
 import torch
 
-from conftest import deepspeed_cmd, launcher_env, run
+from helpers import REPLAY_DRIVER, deepspeed_cmd, launcher_env, run
 
-DRIVER = "tests/test_engine_replay.py"
 N = 6
 COMMON = ["model.dropout=0.1", "engine.ds_config=zero2.json", "optim.warmup_steps=4"]
 
@@ -26,12 +25,12 @@ def test_resume_is_bitwise_identical_two_ranks(django_shards, tmp_path):
         {"name": "full", "replay": False, "overrides": [f"train.max_steps={2 * N}", *COMMON]},
         {"name": "half", "replay": False, "overrides": [f"train.max_steps={N}", *COMMON]},
     ]
-    run(deepspeed_cmd(2, DRIVER, str(tmp_path), sh, json.dumps(first)), env)
+    run(deepspeed_cmd(2, REPLAY_DRIVER, str(tmp_path), sh, json.dumps(first)), env)
     ck = tmp_path / "half" / "checkpoints"
     assert (ck / "latest").read_text().strip() == f"step-{N:07d}"
     before = torch.load(tmp_path / "half" / "params_rank0.pt")
     second = [{"name": "half", "replay": False, "overrides": [f"train.max_steps={2 * N}", *COMMON]}]
-    p = run(deepspeed_cmd(2, DRIVER, str(tmp_path), sh, json.dumps(second)), env)
+    p = run(deepspeed_cmd(2, REPLAY_DRIVER, str(tmp_path), sh, json.dumps(second)), env)
     assert f"resumed from {ck / f'step-{N:07d}'} at step {N}" in p.stdout
     full = [json.loads((tmp_path / "full" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     res = [json.loads((tmp_path / "half" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
@@ -65,7 +64,7 @@ def test_resume_is_bitwise_identical_accelerate_one_process(django_shards, tmp_p
     ]
     second = [{"name": "half", "replay": False, "overrides": [f"train.max_steps={2 * N}", *common]}]
     for jobs in ([first[0]], [first[1]], second):  # a fresh process each: Accelerate state is per process
-        run([sys.executable, DRIVER, str(tmp_path), sh, json.dumps(jobs)], env)
+        run([sys.executable, REPLAY_DRIVER, str(tmp_path), sh, json.dumps(jobs)], env)
     a = torch.load(tmp_path / "full" / "params_rank0.pt")
     b = torch.load(tmp_path / "half" / "params_rank0.pt")
     for k in a:

@@ -1,14 +1,7 @@
 """CLI errors: one line naming the problem, exit code != 0, no traceback (unless --debug)."""
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT
-
-
-def cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+from helpers import cli
 
 
 def assert_one_line_error(p, *needles):

@@ -13,13 +13,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, launcher_env, run
+from helpers import ROOT, launcher_env, run, tiny_model
 from scaletrain.data.batch import Example
 from scaletrain.data.shards import Manifest, SplitWriter, load_manifest, read_split, write_manifest
 
 TINY = [
-    "model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-    "model.max_positions=64", "model.dropout=0.0", "data.max_bytes=60", "data.max_tokens=2000",
+    *tiny_model(), "data.max_bytes=60", "data.max_tokens=2000",
     "train.max_steps=30", "train.max_minutes=0", "train.log_every=10", "train.valid_every=0", "train.save_every=0",
     "tracking.enabled=false", "engine.threads=1", "optim.warmup_steps=10", "optim.lr=3e-3",
     "eval.max_len_b=20", "eval.max_len_a=1.0",

@@ -11,12 +11,12 @@ import logging
 
 import torch
 
+from helpers import tiny_model
 from scaletrain.config import load_config
 from scaletrain.engine.base import Engine, StepInfo
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-        "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
+TINY = [*tiny_model(), "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
         "train.valid_every=0", "train.valid_max_batches=1", "train.save_every=0", "tracking.enabled=false",
         "train.max_steps=6"]
 

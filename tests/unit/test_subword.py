@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import TEST_LANGS
+from helpers import TEST_LANGS
 from scaletrain.cli import main as cli_main
 from scaletrain.config import Config, validate
 from scaletrain.data.inspect_shards import verify

@@ -1,6 +1,6 @@
 """The core guarantee: the parallel layout changes memory and speed, not the maths.
 
-Same seed, same data (tests/test_engine_replay.py: every layout sees the same global batch per
+Same seed, same data (tests/integration/test_engine_replay.py: every layout sees the same global batch per
 update), tiny model, 20 updates, CPU/gloo. Four launches in all, each training several layouts in turn:
 
 * 1 process (DeepSpeed ZeRO-0): ``ref`` (k=2 accumulation), ``ref4`` (k=4), ``merged`` (k=1 over the
@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, deepspeed_cmd, free_port, launcher_env, run
+from helpers import REPLAY_DRIVER, deepspeed_cmd, free_port, launcher_env, run
 
-DRIVER = "tests/test_engine_replay.py"
 STEPS = 20
 RTOL = 1e-4  # loss: fp32 round-off measured here <= 5e-6 relative over 20 updates; a different batch: ~1e-1
 PTOL = 1e-3  # parameters, ||a - b|| / ||b||: round-off gives <= 1e-4 (Adam turns tiny gradient differences
@@ -68,10 +67,10 @@ def runs(django_shards, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("equiv")
     env = launcher_env(out)
     sh = str(django_shards)
-    run([sys.executable, DRIVER, str(out), sh, json.dumps(SINGLE)], env)
-    run(deepspeed_cmd(2, DRIVER, str(out), sh, json.dumps(DEEPSPEED)), env)
-    run(accelerate_cmd("accelerate_ddp.yaml", 2, DRIVER, str(out), sh, json.dumps(ACC_DDP)), env)
-    run(accelerate_cmd("accelerate_deepspeed.yaml", 2, DRIVER, str(out), sh, json.dumps(ACC_DS)), env)
+    run([sys.executable, REPLAY_DRIVER, str(out), sh, json.dumps(SINGLE)], env)
+    run(deepspeed_cmd(2, REPLAY_DRIVER, str(out), sh, json.dumps(DEEPSPEED)), env)
+    run(accelerate_cmd("accelerate_ddp.yaml", 2, REPLAY_DRIVER, str(out), sh, json.dumps(ACC_DDP)), env)
+    run(accelerate_cmd("accelerate_deepspeed.yaml", 2, REPLAY_DRIVER, str(out), sh, json.dumps(ACC_DS)), env)
     return out
 
 
@@ -161,7 +160,7 @@ def test_export_zero3_round_trip_without_deepspeed(runs, django_shards, tmp_path
 import json, sys, yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
-sys.path.insert(0, {str(ROOT / 'tests')!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from scaletrain.config import from_dict
 from scaletrain.models import build_model
 from scaletrain.vocab import ByteVocab

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from helpers import decode_all
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import (
     DecoderCache,
@@ -179,15 +180,6 @@ def test_positions_are_zero_at_pads_and_count_real_tokens():
 
 
 # ---------------------------------------------------------------------------------------
-def _decode_all(m, src, tgt):
-    enc = m.encode(src)
-    cache, steps = None, []
-    for t in range(tgt.shape[1]):
-        logits, cache = m.decode_step(tgt[:, t], t, enc, cache)
-        steps.append(logits)
-    return torch.stack(steps, 1)
-
-
 @pytest.mark.parametrize("pre_ln", [False, True])
 @pytest.mark.parametrize("share", [True, False])
 def test_decode_step_matches_full_forward(pre_ln, share):
@@ -195,7 +187,7 @@ def test_decode_step_matches_full_forward(pre_ln, share):
     srcs, tgts = sentences(n=3)
     src, tgt = batch_from(srcs, tgts)
     full = m(src, tgt)
-    inc = _decode_all(m, src, tgt)
+    inc = decode_all(m, src, tgt)
     for i, t in enumerate(tgts):  # real positions (incremental decoding never sees pads)
         torch.testing.assert_close(inc[i, : len(t)], full[i, : len(t)], atol=1e-5, rtol=0)
     with pytest.raises(ScaletrainError):

@@ -1,16 +1,15 @@
 """Validation during training (scaletrain.eval.in_training): the fixed subset, BLEU/chrF of a model with shares
-decoded by several ranks, best checkpoint and early stopping; a 2-rank ZeRO-3 run under the deepspeed launcher."""
+decoded by several ranks, best checkpoint and early stopping (in-process; the 2-rank ZeRO-3 run under the
+deepspeed launcher is tests/integration/test_eval_validation_distributed.py)."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import textwrap
 
 import pytest
 import torch
 
-from conftest import deepspeed_cmd, launcher_env, run
 from scaletrain.eval import scoring as M
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
@@ -159,52 +158,3 @@ def test_best_checkpoint_keep_links_survives_rotation_and_replaces(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["best", "step-0000200"]  # no temp dirs left
     with pytest.raises(ScaletrainError, match="not a complete checkpoint"):
         b.keep(tmp_path / "nothing")
-
-
-# ----------------------------------------------------------------------------------------------
-# 2 ranks, ZeRO-3, deepspeed launcher
-
-DRIVER = textwrap.dedent('''
-    import json, sys
-    import torch
-    from scaletrain.cli import _strip_launcher_args
-    from scaletrain.config import load_config
-    from scaletrain.data.shards import load_manifest
-    from scaletrain.engine import build_engine
-    from scaletrain.models import build_model
-    from scaletrain.eval.in_training import BleuValidator
-    from scaletrain.vocab import ByteVocab
-
-    argv = _strip_launcher_args(sys.argv[1:])
-    out, overrides = argv[0], argv[1:]
-    cfg = load_config("small", overrides)
-    eng = build_engine(cfg)
-    vocab = ByteVocab(load_manifest(cfg.data.shards).languages)
-    torch.manual_seed(0)
-    eng.setup(build_model(cfg.model, vocab.size))
-    val = BleuValidator.from_config(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12)
-    model = eng.inference_module(lambda: build_model(cfg.model, vocab.size))
-    res = val.run(model, rank=eng.rank, world_size=eng.world_size)
-    ref = val.run(model, rank=0, world_size=1)  # every rank alone, same weights: the single-process answer
-    json.dump({"partitioned": eng.partitioned(), "copy": model is not eng.module, "metrics": res.metrics,
-               "ref": ref.metrics, "local": res.local_lines, "lines": res.lines, "hyps": res.hypotheses,
-               "ref_hyps": ref.hypotheses}, open(f"{out}/val_rank{eng.rank}.json", "w"))
-''')
-
-
-@pytest.mark.slow
-def test_two_ranks_zero3_validation_equals_single_process(django_shards, tmp_path):
-    driver = tmp_path / "val_driver.py"
-    driver.write_text(DRIVER)
-    over = [f"data.shards={django_shards}", "model.d_model=32", "model.n_heads=2", "model.encoder_layers=1",
-            "model.decoder_layers=1", "model.ffn_dim=64", "model.max_positions=64", "data.max_bytes=60",
-            "engine.ds_config=ds_configs/zero3.json", "tracking.enabled=false"]
-    run(deepspeed_cmd(2, str(driver), str(tmp_path), *over), launcher_env(tmp_path))
-    r0, r1 = (json.loads((tmp_path / f"val_rank{r}.json").read_text()) for r in (0, 1))
-    assert r0["partitioned"] and r1["partitioned"] and r0["copy"]  # the ZeRO-3 path really ran
-    assert r0["lines"] == r1["lines"] == 40 and r0["local"] + r1["local"] == 40 and r0["local"] == 20
-    assert r0["metrics"] == r1["metrics"] == r0["ref"] == r1["ref"]  # same numbers everywhere, = one process
-    assert r0["hyps"] == r0["ref_hyps"] == r1["ref_hyps"] and len(set(r0["hyps"])) > 5
-    assert r0["metrics"]["valid/chrf_avg/all"] >= 0 and "valid/bleu_avg/non-latin" in r0["metrics"]
-
-

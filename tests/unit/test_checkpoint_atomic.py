@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from scaletrain.checkpoint import CheckpointManager, latest_tag, resolve_checkpoint
 from scaletrain.errors import ScaletrainError
 
@@ -78,7 +78,7 @@ def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
 
 KILL_SCRIPT = """
 import os, sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {paths!r}
 from test_checkpoint_atomic import CheckpointManager, LocalEngine, _model, _save
 mgr = CheckpointManager({out!r}, LocalEngine(_model(1.0)), keep_last=3)
 _save(mgr, 10)
@@ -98,7 +98,8 @@ _save(mgr, 20)
 
 @pytest.mark.parametrize("when", ["rename", "latest"])
 def test_process_killed_during_save(tmp_path, when):
-    script = KILL_SCRIPT.format(tests=str(ROOT / "tests"), out=str(tmp_path), when=when)
+    paths = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]  # this module, and what it imports
+    script = KILL_SCRIPT.format(paths=paths, out=str(tmp_path), when=when)
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 9, p.stderr[-2000:]
     root = tmp_path / "checkpoints"

@@ -8,14 +8,13 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT, tiny_model
 from scaletrain.config import load_config
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=2", "model.decoder_layers=2", "model.ffn_dim=64",
-        "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600"]
+TINY = [*tiny_model(layers=2, dropout=None), "data.max_bytes=40", "data.max_tokens=600"]
 
 
 def cfg_with(*overrides):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import full_forward_logprob
 from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, build_model
@@ -23,13 +24,6 @@ def tiny(arch: str) -> torch.nn.Module:
     cfg = ModelConfig(arch=arch, d_model=32, n_heads=4, encoder_layers=1, decoder_layers=2, ffn_dim=64,
                       max_positions=64, dropout=0.1)
     return build_model(cfg, VOCAB.size)
-
-
-def full_forward_logprob(model, src_row, tag, tokens) -> float:
-    with torch.no_grad():
-        lp = torch.log_softmax(model(src_row, torch.tensor([[tag] + tokens])).double()[0], -1)
-    lp = lp + G._allowed_mask(lp.shape[-1], "cpu", torch.float64)
-    return float(sum(lp[t, tok] for t, tok in enumerate(tokens + [EOS])))
 
 
 @pytest.mark.parametrize("arch", ["transformer", "moce"])

@@ -19,23 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import two_rank_training
+from helpers import ten_step_run, tiny_model, two_rank_training, valid_examples
 from scaletrain.eval import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate_arrays
-from scaletrain.data.shards import read_split
 from scaletrain.data.spm_train import add_spm_model
 from scaletrain.vocab import SubwordVocab
 
 N_SPM = 600
 COMMON = [
-    "model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-    "model.dropout=0.1", "model.max_positions=64",
-    f"data.spm_vocab_size={N_SPM}", "data.max_bytes=30", "data.max_tokens=1200", "optim.lr=3e-3", "optim.warmup_steps=4", "optim.warmup_init_lr=0",
-    "train.max_steps=10", "train.log_every=5", "train.valid_every=0", "train.valid_max_batches=2",
-    "train.save_every=0", "train.resume=false", "tracking.enabled=false", "engine.precision=fp32",
-    "engine.grad_accum=1", "engine.backend=deepspeed", "engine.ds_config=ds_configs/zero0.json",
+    *tiny_model(n_heads=4, dropout=0.1), f"data.spm_vocab_size={N_SPM}", *ten_step_run(max_bytes=30, max_tokens=1200),
 ]
 CG = ["model.charaware.dim=8", "model.charaware.max_len=12"]  # subword_cg only (embedding charaware)
 MAX_OUT = 6
@@ -76,10 +70,6 @@ def check_decoding(model, vocab, examples):
             assert picks[len(toks)] == 2  # EOS
 
 
-def valid_examples(shards, n=5):
-    return [ex for ex in read_split(shards, "valid") if 3 <= len(ex.src) <= 30][:n]
-
-
 @pytest.mark.parametrize("recipe", ["subword_base", "subword_cg"])
 def test_subword_recipes_train_save_load_decode(recipe, spm_shards, tmp_path, isolated_env):
     from scaletrain.train import Trainer
@@ -107,7 +97,7 @@ def test_subword_recipes_train_save_load_decode(recipe, spm_shards, tmp_path, is
     assert cfg2.model == cfg.model and cfg2.model.embedding == ("charaware" if recipe == "subword_cg" else "learned")
     loaded = model.state_dict()
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
-    exs = valid_examples(spm_shards)
+    exs = valid_examples(spm_shards, 5)
     check_decoding(model, vocab, exs)
     # translate_examples tokenizes with the checkpoint's vocabulary and decodes pieces to text
     tr = G.translate_examples(model, exs, vocab, batch_tokens=2000, beam=2, max_len_a=0, max_len_b=MAX_OUT)
@@ -161,4 +151,4 @@ def test_subword_cg_two_ranks_deepspeed_launcher(spm_shards, tmp_path):
     model, cfg, vocab, state = two_rank_training(
         out, "subword_cg", f"data.shards={spm_shards}", f"train.out_dir={out}", *COMMON, *CG, tmp_path=tmp_path)
     assert cfg.model.embedding == "charaware" and state["world_size"] == 2 and isinstance(vocab, SubwordVocab)
-    check_decoding(model, vocab, valid_examples(spm_shards))
+    check_decoding(model, vocab, valid_examples(spm_shards, 5))

@@ -9,12 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, deepspeed_cmd, launcher_env, run
+from helpers import DIST_DRIVER, cli, deepspeed_cmd, launcher_env, run, tiny_model
 from scaletrain.data.gettext import read_gettext, split_of
 from scaletrain.data.prepare import add_prepare_arguments, prepare_from_args
 from scaletrain.data.shards import load_manifest, read_split
@@ -22,11 +20,6 @@ from scaletrain.errors import ScaletrainError
 
 OPUS_LANGS = {"de": "de-en", "ru": "en-ru", "ja": "ja-en", "hi": "en-hi"}  # hi: train only
 TRAIN_ONLY = "hi"
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
 
 
 def prepare_args(*argv):
@@ -138,12 +131,11 @@ def test_data_verify_cli_names_bad_shards(opus_shards, tmp_path):
 def test_opus100_two_rank_training(opus_shards, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    tiny = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1",
-            "model.ffn_dim=64", "model.dropout=0.0", "model.max_positions=128", "data.max_bytes=60",
+    tiny = [*tiny_model(max_positions=128), "data.max_bytes=60",
             "data.max_tokens=1200", "optim.warmup_steps=5", "train.log_every=5", "train.valid_every=10",
             "train.valid_max_batches=2", "train.save_every=0", "train.max_minutes=0", "train.max_steps=10"]
     args = [str(out), "small", f"data.shards={opus_shards}", f"train.out_dir={out}", *tiny]
-    p = run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
+    p = run(deepspeed_cmd(2, DIST_DRIVER, *args), launcher_env(tmp_path))
     res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in res] == [2, 2], p.stdout[-2000:]
     assert res[0]["steps"] == res[1]["steps"] == 10

@@ -10,7 +10,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "scaletrain"
 MAX_FUNCTION_LINES = 80
 
@@ -75,3 +75,16 @@ def test_readme_layout_table_matches_the_tree():
             continue
         rel = f"scaletrain/{child.name}" + ("/" if child.is_dir() else "")
         assert any(n == rel or n.startswith(rel) for n in named), f"README layout table does not mention {rel}"
+
+
+def test_only_the_engine_package_imports_deepspeed():
+    outside = []
+    for p in _sources():
+        if (PKG / "engine") in p.parents:
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
+                outside.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not outside, f"DeepSpeed imported outside scaletrain/engine/: {outside}"

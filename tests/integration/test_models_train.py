@@ -13,25 +13,18 @@ import math
 import pytest
 import torch
 
-from conftest import two_rank_training
+from helpers import ten_step_run, tiny_model, two_rank_training, valid_examples
 from scaletrain.eval import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate
-from scaletrain.data.shards import read_split
 from scaletrain.models.routing_stats import routing_metrics
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET
 
-COMMON = [
-    "model.n_heads=4", "model.decoder_layers=1", "model.ffn_dim=64", "model.dropout=0.1", "model.max_positions=64",
-    "data.max_bytes=40", "data.max_tokens=1000", "optim.lr=3e-3", "optim.warmup_steps=4", "optim.warmup_init_lr=0",
-    "train.max_steps=10", "train.log_every=5", "train.valid_every=0", "train.valid_max_batches=2",
-    "train.save_every=0", "train.resume=false", "tracking.enabled=false", "engine.precision=fp32",
-    "engine.grad_accum=1", "engine.backend=deepspeed", "engine.ds_config=ds_configs/zero0.json",
-]
-LEARNED = ["model.d_model=32", "model.encoder_layers=2"]
+COMMON = ten_step_run(max_bytes=40, max_tokens=1000)  # every run adds the model: LEARNED or ONEHOT (+ variant keys)
+LEARNED = tiny_model(n_heads=4, layers=(2, 1), dropout=0.1)
 # one-hot needs d_model >= vocabulary size (4 specials + 256 bytes + 5 languages = 265)
-ONEHOT = ["model.d_model=272", "model.encoder_layers=1"]
+ONEHOT = tiny_model(d_model=272, n_heads=4, layers=1, dropout=0.1)
 VARIANTS = {
     "embeddingless": ONEHOT,
     "byte_ncf": ONEHOT + ["model.lobef.byte_layers=1"],
@@ -45,16 +38,6 @@ MAX_OUT = 8
 
 
 pytestmark = pytest.mark.usefixtures("in_process_training")
-
-
-def valid_examples(shards, n=6):
-    out = []
-    for ex in read_split(shards, "valid"):
-        if 3 <= len(ex.src) <= 30:
-            out.append(ex)
-        if len(out) == n:
-            break
-    return out
 
 
 def check_decoding(model, examples):
@@ -118,7 +101,7 @@ def test_variant_trains_saves_loads_decodes(recipe, django_shards, tmp_path, iso
     assert loaded.keys() == trained.keys()
     for k in trained:
         assert torch.equal(loaded[k], trained[k]), k
-    check_decoding(model, valid_examples(django_shards))
+    check_decoding(model, valid_examples(django_shards, 6))
 
 
 @pytest.mark.slow
@@ -128,4 +111,4 @@ def test_moce_two_ranks_deepspeed_launcher(django_shards, tmp_path):
         out, "moce_d5_lid", f"data.shards={django_shards}", f"train.out_dir={out}", *COMMON, *LEARNED,
         "train.max_steps=10", tmp_path=tmp_path)
     assert cfg.model.arch == "moce" and cfg.model.moce.lid and state["world_size"] == 2
-    check_decoding(model, valid_examples(django_shards))
+    check_decoding(model, valid_examples(django_shards, 6))

@@ -4,12 +4,11 @@ import sys
 
 import pytest
 
-from conftest import launcher_env, run
+from helpers import launcher_env, run, tiny_model
 from scaletrain.checkpoint import load_for_inference
 
 TINY = [
-    "model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-    "model.max_positions=96", "data.max_bytes=40", "data.max_tokens=1200", "train.log_every=5",
+    *tiny_model(max_positions=96, dropout=None), "data.max_bytes=40", "data.max_tokens=1200", "train.log_every=5",
     "train.valid_max_batches=2", "train.save_every=0", "train.max_minutes=0", "eval.valid_lines=3",
     "eval.max_len_b=20", "eval.max_len_a=1.0", "engine.threads=2",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import full_forward_logprob
 from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, available_models, build_model
@@ -67,13 +68,6 @@ class EosBias(torch.nn.Module):
 
     def forward(self, src, tgt_in):
         return self._b(self.inner(src, tgt_in))
-
-
-def full_forward_logprob(model, src_row, tag, tokens) -> float:
-    with torch.no_grad():
-        lp = torch.log_softmax(model(src_row, torch.tensor([[tag] + tokens])).double()[0], -1)
-    lp = lp + G._allowed_mask(lp.shape[-1], "cpu", torch.float64)
-    return float(sum(lp[t, tok] for t, tok in enumerate(tokens + [EOS])))
 
 
 @pytest.mark.parametrize("beam", [2, 4])

@@ -4,11 +4,11 @@ import json
 import pytest
 import torch
 
-from conftest import deepspeed_cmd, launcher_env, run
+from helpers import DIST_DRIVER, deepspeed_cmd, launcher_env, run, tiny_model
 
 TINY = [
-    "model.d_model=64", "model.n_heads=4", "model.encoder_layers=2", "model.decoder_layers=2", "model.ffn_dim=128",
-    "model.dropout=0.0", "model.max_positions=128", "data.max_bytes=60", "data.max_tokens=1600",
+    *tiny_model(d_model=64, n_heads=4, layers=2, ffn_dim=128, max_positions=128),
+    "data.max_bytes=60", "data.max_tokens=1600",
     "optim.lr=3e-3", "optim.warmup_steps=10", "train.log_every=5", "train.valid_every=25", "train.valid_max_batches=8",
     "train.save_every=0", "train.max_minutes=0",
 ]
@@ -19,7 +19,7 @@ def test_two_ranks_deepspeed_loss_falls_params_identical(django_shards, tmp_path
     out = tmp_path / "run"
     out.mkdir()
     args = [str(out), "small", f"data.shards={django_shards}", f"train.out_dir={out}", "train.max_steps=50", *TINY]
-    p = run(deepspeed_cmd(2, "tests/dist_driver.py", *args), launcher_env(tmp_path))
+    p = run(deepspeed_cmd(2, DIST_DRIVER, *args), launcher_env(tmp_path))
     res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in res), p.stdout[-2000:]
     losses = res[0]["train_loss"]

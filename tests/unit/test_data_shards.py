@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
+from helpers import ROOT
 from scaletrain import __version__
 from scaletrain.data.batch import Example
 from scaletrain.data.gettext import split_of

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, free_port, launcher_env
+from helpers import REPLAY_DRIVER, ROOT, free_port, launcher_env
 
 from test_engine_replay import batch_pair_hashes
 
-DRIVER = "tests/test_engine_replay.py"
 
 
 @pytest.mark.slow
@@ -36,7 +35,8 @@ def test_two_nodes_one_rank_each_stay_in_sync_and_read_disjoint_data(django_shar
     procs = []
     for k in (0, 1):
         cmd = [exe, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k), "--master_addr", "127.0.0.1",
-               "--master_port", port, "--no_local_rank", DRIVER, str(tmp_path), str(django_shards), json.dumps(job)]
+               "--master_port", port, "--no_local_rank", REPLAY_DRIVER, str(tmp_path), str(django_shards),
+               json.dumps(job)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     for p in procs:

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from helpers import decode_all
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import CharAwareEmbeddings, ModelConfig, build_model, count_parameters
 from scaletrain.models.charaware import charaware_parameter_count, char_table, pieces_from_state_dict
@@ -179,15 +180,6 @@ def test_padding_characters_do_not_matter_and_long_pieces_are_truncated():
     assert code_points == [ord("a"), ord("b")] and table.tolist() == [[1, 3, 4, 2, 0, 0], [0] * 6]
 
 
-def _decode_all(m, src, tgt):
-    enc = m.encode(src)
-    cache, out = None, []
-    for t in range(tgt.shape[1]):
-        logits, cache = m.decode_step(tgt[:, t], t, enc, cache)
-        out.append(logits)
-    return torch.stack(out, 1)
-
-
 def test_decode_step_matches_full_forward_with_the_eval_cache(monkeypatch):
     m = make().eval()
     src, tgt, lens = batch()
@@ -196,7 +188,7 @@ def test_decode_step_matches_full_forward_with_the_eval_cache(monkeypatch):
     monkeypatch.setattr(CharAwareEmbeddings, "composed", lambda self: calls.append(1) or real(self))
     with torch.no_grad():
         full = m(src, tgt)
-        inc = _decode_all(m, src, tgt)
+        inc = decode_all(m, src, tgt)
     assert len(calls) == 1  # one composition for the full forward and all 7 decoding steps
     for i, n in enumerate(lens):
         torch.testing.assert_close(inc[i, :n], full[i, :n], atol=1e-5, rtol=0)
@@ -217,7 +209,7 @@ def test_decode_step_matches_full_forward_with_the_eval_cache(monkeypatch):
     m.eval()
     with torch.no_grad():
         after = m(src, tgt)
-        inc2 = _decode_all(m, src, tgt)
+        inc2 = decode_all(m, src, tgt)
         assert len(calls) == 3
         assert (after - full).abs().max() > 1e-3
         E = emb.mixed()
@@ -306,7 +298,7 @@ def test_other_architectures_take_the_charaware_embeddings(arch):
     src, tgt, lens = batch()
     with torch.no_grad():
         full = m(src, tgt)
-        inc = _decode_all(m, src, tgt)
+        inc = decode_all(m, src, tgt)
     assert full.shape == (3, 7, V)
     for i, n in enumerate(lens):
         torch.testing.assert_close(inc[i, :n], full[i, :n], atol=1e-5, rtol=0)

@@ -1,0 +1,140 @@
+"""What several test files share that is not a fixture (fixtures stay in conftest.py): the tiny-model
+overrides, the launcher and CLI commands, small decoding checks. Importable from tests/unit and
+tests/integration (pyproject.toml puts tests/ on pytest's path) and from driver scripts that put tests/
+on sys.path themselves."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small but real corpus for integration tests: scripts Latin, Cyrillic, Arabic, Devanagari, Japanese.
+TEST_LANGS = ["de", "ru", "ar", "hi", "ja"]
+# Scripts the launchers run, relative to ROOT (the launchers' working directory).
+DIST_DRIVER = "tests/integration/dist_driver.py"  # train one recipe, save this rank's parameters
+REPLAY_DRIVER = "tests/integration/test_engine_replay.py"  # train fixed-batch jobs (engine equivalence)
+
+
+def tiny_model(d_model: int = 32, n_heads: int = 2, layers: int | tuple[int, int] = 1, ffn_dim: int = 64,
+               max_positions: int = 64, dropout: float | None = 0.0) -> list[str]:
+    """Config overrides for a tiny model: ``model.d_model``, ``model.n_heads``, ``model.encoder_layers`` and
+    ``model.decoder_layers`` (``layers``: both, or ``(encoder, decoder)``), ``model.ffn_dim``,
+    ``model.max_positions``, ``model.dropout``. A value of None leaves that key to the recipe."""
+    enc, dec = layers if isinstance(layers, tuple) else (layers, layers)
+    keys = dict(d_model=d_model, n_heads=n_heads, encoder_layers=enc, decoder_layers=dec, ffn_dim=ffn_dim,
+                max_positions=max_positions, dropout=dropout)
+    return [f"model.{k}={v}" for k, v in keys.items() if v is not None]
+
+
+def ten_step_run(max_bytes: int, max_tokens: int) -> list[str]:
+    """Config overrides for a 10-step fp32 run on DeepSpeed ZeRO-0 with batches of at most ``max_bytes`` per
+    sentence and ``max_tokens`` per batch: no validation, no checkpoint before the last, no resume, no MLflow."""
+    return [
+        f"data.max_bytes={max_bytes}", f"data.max_tokens={max_tokens}", "optim.lr=3e-3", "optim.warmup_steps=4",
+        "optim.warmup_init_lr=0", "train.max_steps=10", "train.log_every=5", "train.valid_every=0",
+        "train.valid_max_batches=2", "train.save_every=0", "train.resume=false", "tracking.enabled=false",
+        "engine.precision=fp32", "engine.grad_accum=1", "engine.backend=deepspeed",
+        "engine.ds_config=ds_configs/zero0.json",
+    ]
+
+
+# ---- processes -------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env(tmp_path: Path) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlruns.db",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def deepspeed_cmd(nproc: int, script: str, *args: str, extra: tuple = ()) -> list[str]:
+    exe = Path(sys.executable).with_name("deepspeed")
+    return [str(exe), "--num_gpus", str(nproc), "--master_port", str(free_port()), *extra, "--no_local_rank", script, *args]
+
+
+def run(cmd, env, timeout=600, cwd=None) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, env=env, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def cli(*args, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``python -m scaletrain ARGS`` as a user runs it; the caller checks the exit status."""
+    return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def two_rank_training(out: Path, recipe: str, *overrides: str, tmp_path: Path, steps: int = 10):
+    """Train ``recipe`` on 2 ranks under the ``deepspeed`` launcher (DIST_DRIVER), check what every 2-rank run
+    must show (world size 2, ``steps`` steps on both ranks, falling loss, identical parameters on both ranks,
+    the final checkpoint loads as exactly those parameters) and return ``(model, cfg, vocab, trainer_state)``
+    of that checkpoint."""
+    import json
+
+    import torch
+
+    from scaletrain.checkpoint import load_for_inference
+
+    out.mkdir(exist_ok=True)
+    cmd = deepspeed_cmd(2, DIST_DRIVER, str(out), recipe, *overrides)
+    run(cmd, launcher_env(tmp_path))
+    # DeepSpeed's per-rank shared-memory allreduce segments of this run were unlinked (RAM in /dev/shm)
+    port = cmd[cmd.index("--master_port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == steps
+    assert res[0]["train_loss"][-1][1] < res[0]["train_loss"][0][1]
+    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    model, cfg, vocab, state, _ = load_for_inference(out)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], p0[k]) for k in p0)
+    return model, cfg, vocab, state
+
+
+# ---- models and data -------------------------------------------------------------------------------
+def decode_all(m, src, tgt):
+    """Logits of every target position by incremental decoding (``encode`` once, ``decode_step`` per token)."""
+    import torch
+
+    enc = m.encode(src)
+    cache, steps = None, []
+    for t in range(tgt.shape[1]):
+        logits, cache = m.decode_step(tgt[:, t], t, enc, cache)
+        steps.append(logits)
+    return torch.stack(steps, 1)
+
+
+def full_forward_logprob(model, src_row, tag, tokens) -> float:
+    """Log-probability of ``tokens`` + EOS after language tag ``tag`` from one full forward pass (float64, the
+    ids decoding may emit)."""
+    import torch
+
+    from scaletrain.eval import generate as G
+    from scaletrain.vocab import EOS
+
+    with torch.no_grad():
+        lp = torch.log_softmax(model(src_row, torch.tensor([[tag] + tokens])).double()[0], -1)
+    lp = lp + G._allowed_mask(lp.shape[-1], "cpu", torch.float64)
+    return float(sum(lp[t, tok] for t, tok in enumerate(tokens + [EOS])))
+
+
+def valid_examples(shards, n: int) -> list:
+    """The first ``n`` examples of the valid split with a 3-30 byte source."""
+    from scaletrain.data.shards import read_split
+
+    out = []
+    for ex in read_split(shards, "valid"):
+        if 3 <= len(ex.src) <= 30:
+            out.append(ex)
+        if len(out) == n:
+            break
+    return out
