@@ -16,7 +16,8 @@ log = logging.getLogger("scaletrain")
 
 def register(subparsers) -> None:
     ev = subparsers.add_parser("evaluate", help="decode a split and score BLEU/chrF per direction")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest checkpoint)")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest checkpoint), or "
+                    "a .safetensors file written by `scaletrain export`")
     ev.add_argument("--split", default=None, help="split to decode (default: eval.split of the recipe, test)")
     ev.add_argument("--shards", default=None, help="shard directory (default: the one the model was trained on)")
     ev.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
