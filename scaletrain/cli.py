@@ -41,9 +41,9 @@ def _setup_logging(debug: bool) -> None:
 def _commands() -> tuple:
     """The command modules, in the order ``--help`` lists them (imported here: ``import scaletrain.cli``
     stays cheap)."""
-    from scaletrain.commands import average, data, evaluate, export, model, prepare, train, translate
+    from scaletrain.commands import average, data, evaluate, export, model, prepare, tracking, train, translate
 
-    return (prepare, train, evaluate, export, average, data, model, translate)
+    return (prepare, train, evaluate, export, average, data, model, translate, tracking)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,7 +124,7 @@ class Trainer:
         final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
         if self.engine.is_main:
             self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
-            self.tracker.flush()
+            self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
         return TrainResult(
             steps=st.step, tokens=st.tokens_seen, valid_nll=list(st.valid_history),
             train_loss=list(self.logger.loss_history), unigram_nll=baseline, train_seconds=st.train_seconds,
@@ -158,7 +158,8 @@ class Trainer:
 
         t, eng = self.cfg.tracking, self.engine
         return Tracker(uri=t.uri or None, experiment=t.experiment, run_name=t.run_name or self.cfg.name,
-                       is_main=eng.is_main and t.enabled, project_dir=Path.cwd())
+                       is_main=eng.is_main and t.enabled, project_dir=Path.cwd(),
+                       local_dir=Path(self.out_dir) / "tracking", end_timeout=t.end_timeout)
 
     def _start_tracking(self) -> None:
         from scaletrain.tracking import broadcast_run_id
