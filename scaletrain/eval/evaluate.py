@@ -67,6 +67,7 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
         "checkpoint": str(ckpt), "split": split, "shards": str(shards), "beam": beam, "lenpen": lenpen,
         "lines": len(examples), "decode_seconds": secs, "sentences_per_s": len(examples) / max(secs, 1e-9),
         "step": trainer_state.get("step"), "run_id": trainer_state.get("run_id"),
+        "tracking": {"uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment},
         "report": report, "baseline": baseline,
         "samples": [
             {"direction": f"{r.src_lang}->{r.tgt_lang}", "source": s, "reference": r.reference, "hypothesis": r.hypothesis}
@@ -88,7 +89,9 @@ def log_to_mlflow(result: dict) -> None:
         return
     from scaletrain.tracking import Tracker
 
-    tr = Tracker(uri=None, experiment="scaletrain", run_name=None, is_main=True, project_dir=Path.cwd())
+    t = result.get("tracking") or {}  # the recipe's tracking settings, as the training run used them
+    tr = Tracker(uri=t.get("uri") or None, experiment=t.get("experiment") or "scaletrain", run_name=None,
+                 is_main=True, project_dir=Path.cwd())
     tr.resume(run_id)
     split = result["split"]
     metrics = {}

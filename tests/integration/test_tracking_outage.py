@@ -130,8 +130,8 @@ def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_
     step_times: list[float] = []
     after_step = trainer.logger.after_step
 
-    def after_step_with_outage(out_):
-        after_step(out_)
+    def after_step_with_outage(*args):
+        after_step(*args)
         step_times.append(time.monotonic())
         if trainer.state.step == kill_at:
             assert trainer.tracker.flush(timeout=60)  # steps 1..kill_at reached the server
