@@ -129,11 +129,27 @@ class Trainer:
         if self.engine.is_main:
             self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
             self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
+            self._plot()
         return TrainResult(
             steps=st.step, tokens=st.tokens_seen, valid_nll=list(st.valid_history),
             train_loss=list(self.logger.loss_history), unigram_nll=baseline, train_seconds=st.train_seconds,
             run_id=st.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final),
         )
+
+    def _plot(self) -> None:
+        """Learning curves of the whole job (from the tracking journal) as a PNG in ``out_dir/plots`` and
+        an artifact; a plotting failure is a warning, never a failed training."""
+        if not self.cfg.tracking.enabled:
+            return
+        try:
+            from scaletrain.plots import plot_learning_curves
+
+            png = plot_learning_curves(self.out_dir, title=f"{self.cfg.name} ({self.state.run_id or 'no run'})")
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not plot the learning curves: %s", e)
+            return
+        if png is not None:
+            self.tracker.log_artifact(png, "plots")
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:

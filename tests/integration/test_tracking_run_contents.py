@@ -58,7 +58,10 @@ def test_training_run_has_tags_artifacts_and_system_metrics(django_shards, tmp_p
             out |= artifacts(a.path) if a.is_dir else {a.path}
         return out
 
-    assert {"config.yaml", "engine/ds_config.json", "data/manifest.json"} <= artifacts()
+    assert {"config.yaml", "engine/ds_config.json", "data/manifest.json", "plots/learning_curves.png"} <= artifacts()
+    from matplotlib.image import imread
+
+    assert imread(Path(res.out_dir) / "plots" / "learning_curves.png").shape[:2] == (700, 1000)
     ds = json.loads(Path(c.download_artifacts(res.run_id, "engine/ds_config.json", str(tmp_path))).read_text())
     assert ds["train_batch_size"] == 1 and ds["train_micro_batch_size_per_gpu"] == 1  # filled in, not "auto"
     m = run.data.metrics
