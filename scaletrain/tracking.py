@@ -631,12 +631,13 @@ class Tracker:
             self._sender.submit("metrics", chunk, size=len(chunk))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Hand the buffered metrics to the sender and wait up to ``timeout`` seconds (None: until sent,
-        0: do not wait) for everything logged so far. Returns whether all of it reached the store."""
+        """Hand the buffered metrics to the sender and wait up to ``timeout`` seconds (default
+        ``end_timeout``; 0: do not wait) for everything logged so far. Returns whether all of it reached
+        the store (False: it is still queued, and in the journal)."""
         self._submit_buffer()
         if self._sender is None:
             return True
-        return self._sender.wait(timeout=timeout)
+        return self._sender.wait(timeout=self.end_timeout if timeout is None else timeout)
 
     @property
     def pending(self) -> int:
