@@ -258,6 +258,7 @@ class _Sender(threading.Thread):
         self._submitted = 0
         self._done = 0
         self._closing = False
+        self._abandon = False
         self.failing = False
         self.warned = False
         self.last_error: str | None = None
@@ -343,8 +344,6 @@ class _Sender(threading.Thread):
                     self._ops.popleft()
                 self._done = last
                 self._cv.notify_all()
-
-    _abandon = False
 
     def abandon(self) -> None:
         """Stop retrying (the process is ending; the journal keeps what was not sent)."""
@@ -465,16 +464,24 @@ class Tracker:
         if self._sender is None or not self._sender.is_alive():
             self._sender = _Sender(self._execute, max_backoff=self.max_backoff)
 
+    def _send(self, kind: str, payload: Any, size: int = 1) -> int:
+        """Queue an operation for the sender thread (a new one if an earlier end() let it stop)."""
+        if self._sender is None or not self._sender.is_alive():
+            self._sender = _Sender(self._execute, max_backoff=self.max_backoff)
+        return self._sender.submit(kind, payload, size=size)
+
     def _record(self, record: dict) -> None:
         if self._journal is not None:
             self._journal.append(record)
 
     def _execute(self, kind: str, payload: Any) -> None:
         """Runs on the sender thread."""
-        c, run_id = self.client, payload[0] if kind != "metrics" else self.run_id
+        c = self.client
         if kind == "metrics":
             c.log_batch(self.run_id, metrics=payload)
-        elif kind == "params":
+            return
+        run_id = payload[0]
+        if kind == "params":
             c.log_batch(run_id, params=payload[1])
         elif kind == "tags":
             c.log_batch(run_id, tags=payload[1])
@@ -550,7 +557,7 @@ class Tracker:
         self._submit_buffer()
         ts = _now_ms()
         self._record({"t": "end", "status": status, "ts": ts})
-        self._sender.submit("end", (self.run_id, status, ts))
+        self._send("end", (self.run_id, status, ts))
         self._ended = True
         ok = self._sender.wait(timeout=self.end_timeout if timeout is None else timeout)
         if ok:
@@ -586,7 +593,7 @@ class Tracker:
         self._record({"t": "params", "v": flat})
         items = [Param(k, v) for k, v in flat.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self._sender.submit("params", (run_id, items[i : i + _MAX_PARAMS_PER_BATCH]))
+            self._send("params", (run_id, items[i : i + _MAX_PARAMS_PER_BATCH]))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.is_main:
@@ -598,7 +605,7 @@ class Tracker:
         self._record({"t": "tags", "v": flat})
         items = [RunTag(k, v) for k, v in flat.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self._sender.submit("tags", (run_id, items[i : i + _MAX_PARAMS_PER_BATCH]))
+            self._send("tags", (run_id, items[i : i + _MAX_PARAMS_PER_BATCH]))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record ``metrics`` (numbers, 0-d tensors/arrays) at ``step``: one journal line now, sent in
@@ -628,7 +635,7 @@ class Tracker:
         buf, self._buffer = self._buffer, []
         for i in range(0, len(buf), _MAX_METRICS_PER_BATCH):
             chunk = buf[i : i + _MAX_METRICS_PER_BATCH]
-            self._sender.submit("metrics", chunk, size=len(chunk))
+            self._send("metrics", chunk, size=len(chunk))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Hand the buffered metrics to the sender and wait up to ``timeout`` seconds (default
@@ -658,7 +665,7 @@ class Tracker:
             raise ScaletrainError(f"tracking: log_artifact: {p} does not exist")
         self._submit_buffer()
         self._record({"t": "artifact", "path": str(p.resolve()), "dir": artifact_path})
-        self._sender.submit("artifact", (run_id, str(p), artifact_path))
+        self._send("artifact", (run_id, str(p), artifact_path))
 
     def _local_artifact(self, artifact_file: str) -> Path | None:
         if self.local_dir is None:
@@ -674,7 +681,7 @@ class Tracker:
         run_id = self._require_run("log_dict")
         dest = self._local_artifact(artifact_file)
         if dest is None:
-            self._sender.submit("dict", (run_id, data, artifact_file))
+            self._send("dict", (run_id, data, artifact_file))
             return
         if artifact_file.endswith((".yaml", ".yml")):
             import yaml
@@ -690,7 +697,7 @@ class Tracker:
         run_id = self._require_run("log_text")
         dest = self._local_artifact(artifact_file)
         if dest is None:
-            self._sender.submit("text", (run_id, text, artifact_file))
+            self._send("text", (run_id, text, artifact_file))
             return
         dest.write_text(text, encoding="utf-8")
         self.log_artifact(dest, str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None)
