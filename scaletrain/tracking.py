@@ -729,8 +729,6 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
     info = json.loads((tdir / RUN_FILE).read_text())
     target = uri or info["uri"]
     _fast_failing_http(target)
-    from mlflow.entities import Metric, Param, RunTag
-
     client = _client(target)
     by_run: dict[str, dict] = {}
     cur = info["run_id"]
@@ -752,43 +750,52 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
     reports = []
     for run_id, r in by_run.items():
         try:
-            run = client.get_run(run_id)
-        except Exception as e:
-            raise ScaletrainError(f"tracking sync: cannot read run {run_id} at {target}: "
-                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        missing, present = [], 0
-        keys = sorted({m[0] for m in r["m"]})
-        for key in keys:
-            have = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}
-            for k, v, ts, s in (m for m in r["m"] if m[0] == key):
-                if (s, ts) in have:
-                    present += 1
-                else:
-                    have.add((s, ts))
-                    missing.append(Metric(k, v, ts, s))
-        for i in range(0, len(missing), _MAX_METRICS_PER_BATCH):
-            client.log_batch(run_id, metrics=missing[i : i + _MAX_METRICS_PER_BATCH])
-        params = [Param(k, v) for k, v in r["params"].items() if k not in run.data.params]
-        for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
-            client.log_batch(run_id, params=params[i : i + _MAX_PARAMS_PER_BATCH])
-        tags = [RunTag(k, v) for k, v in r["tags"].items() if run.data.tags.get(k) != v]
-        for i in range(0, len(tags), _MAX_PARAMS_PER_BATCH):
-            client.log_batch(run_id, tags=tags[i : i + _MAX_PARAMS_PER_BATCH])
-        n_art = 0
-        for path, adir in r["artifacts"]:
-            p = Path(path)
-            if not p.exists():
-                log.warning("tracking sync: artifact %s is gone, skipped", p)
-                continue
-            (client.log_artifacts if p.is_dir() else client.log_artifact)(run_id, str(p), adir)
-            n_art += 1
-        applied = None
-        last = r["last"]
-        if last is not None and last["t"] == "end" and run.info.status != last["status"]:
-            client.set_terminated(run_id, status=last["status"], end_time=last["ts"])
-            applied = last["status"]
-        reports.append(SyncReport(run_id, len(missing), present, n_art, applied))
+            reports.append(_sync_one(client, run_id, r))
+        except ScaletrainError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the server is down or refused: nothing is lost, run it again
+            raise ScaletrainError(f"tracking sync: run {run_id} at {target}: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__} "
+                                  "(nothing is lost: the journal stays; run sync again)") from None
     return reports
+
+
+def _sync_one(client, run_id: str, r: dict) -> SyncReport:
+    from mlflow.entities import Metric, Param, RunTag
+
+    run = client.get_run(run_id)
+    missing, present = [], 0
+    keys = sorted({m[0] for m in r["m"]})
+    for key in keys:
+        have = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}
+        for k, v, ts, s in (m for m in r["m"] if m[0] == key):
+            if (s, ts) in have:
+                present += 1
+            else:
+                have.add((s, ts))
+                missing.append(Metric(k, v, ts, s))
+    for i in range(0, len(missing), _MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=missing[i : i + _MAX_METRICS_PER_BATCH])
+    params = [Param(k, v) for k, v in r["params"].items() if k not in run.data.params]
+    for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + _MAX_PARAMS_PER_BATCH])
+    tags = [RunTag(k, v) for k, v in r["tags"].items() if run.data.tags.get(k) != v]
+    for i in range(0, len(tags), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=tags[i : i + _MAX_PARAMS_PER_BATCH])
+    n_art = 0
+    for path, adir in r["artifacts"]:
+        p = Path(path)
+        if not p.exists():
+            log.warning("tracking sync: artifact %s is gone, skipped", p)
+            continue
+        (client.log_artifacts if p.is_dir() else client.log_artifact)(run_id, str(p), adir)
+        n_art += 1
+    applied = None
+    last = r["last"]
+    if last is not None and last["t"] == "end" and run.info.status != last["status"]:
+        client.set_terminated(run_id, status=last["status"], end_time=last["ts"])
+        applied = last["status"]
+    return SyncReport(run_id, len(missing), present, n_art, applied)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_sender_retries_and_delivers_backlog_once_when_server_returns(server, tm
     assert _history(c, rid, "loss") == [(s, float(s)) for s in range(40)]
 
 
-def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_shards, tmp_path):
+def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_shards, tmp_path, capsys):
     from scaletrain.cli import main
     from scaletrain.config import load_config
     from scaletrain.train import Trainer
@@ -104,6 +104,9 @@ def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_
     assert logged == list(range(1, steps + 1))
     assert journal[-1]["t"] == "end" and journal[-1]["status"] == "FINISHED"
 
+    t0 = time.monotonic()
+    assert main(["tracking", "sync", str(out)]) == 2  # still down: one line, fast, nothing lost
+    assert time.monotonic() - t0 < 30 and "nothing is lost" in capsys.readouterr().err
     server.start()
     c = MlflowClient(server.uri)
     rid = json.loads((out / "tracking" / "run.json").read_text())["run_id"]
