@@ -247,9 +247,12 @@ class _Sender(threading.Thread):
     """Sends operations to MLflow in order, off the training thread. An operation that fails for an outage
     is retried with exponential backoff (``min_backoff`` doubling up to ``max_backoff`` seconds) until it
     succeeds; one warning when the server is lost, one line when it is back. Consecutive metric batches
-    are merged into requests of up to 1000 values."""
+    are merged into requests of up to 1000 values. At most ``max_queued`` metric values wait in memory: in
+    a long outage the oldest queued batches are dropped from memory (one warning; ``dropped`` counts them)
+    and only the journal keeps them, for ``scaletrain tracking sync``."""
 
-    def __init__(self, execute, *, min_backoff: float = 0.5, max_backoff: float = 30.0, name: str = ""):
+    def __init__(self, execute, *, min_backoff: float = 0.5, max_backoff: float = 30.0, name: str = "",
+                 max_queued: int = 1_000_000):
         super().__init__(name=f"scaletrain-tracking{name}", daemon=True)
         self._execute = execute
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
@@ -259,6 +262,9 @@ class _Sender(threading.Thread):
         self._done = 0
         self._closing = False
         self._abandon = False
+        self.max_queued = max(1, int(max_queued))
+        self._queued_metrics = 0
+        self.dropped = 0
         self.failing = False
         self.warned = False
         self.last_error: str | None = None
@@ -268,13 +274,32 @@ class _Sender(threading.Thread):
         with self._cv:
             self._submitted += 1
             self._ops.append((self._submitted, kind, payload, size))
+            if kind == "metrics":
+                self._queued_metrics += size
+                self._shed()
             self._cv.notify_all()
             return self._submitted
+
+    def _shed(self) -> None:
+        """Drop the oldest queued metric batches (never the head, which may be in flight) above the cap."""
+        i = 1
+        while self._queued_metrics > self.max_queued and i < len(self._ops):
+            if self._ops[i][1] != "metrics":
+                i += 1
+                continue
+            size = self._ops[i][3]
+            del self._ops[i]
+            self._queued_metrics -= size
+            if not self.dropped:
+                log.warning("tracking: more than %d metric values are waiting for the MLflow server; the oldest "
+                            "are now kept only in the run directory's tracking journal: run `scaletrain tracking "
+                            "sync RUN_DIR` when the server is back", self.max_queued)
+            self.dropped += size
 
     @property
     def in_flight(self) -> int:
         with self._cv:
-            return sum(op[3] for op in self._ops if op[1] == "metrics")
+            return self._queued_metrics
 
     def wait(self, seq: int | None = None, timeout: float | None = None) -> bool:
         """Block until operation ``seq`` (default: everything submitted so far) is sent; False on timeout."""
@@ -341,8 +366,11 @@ class _Sender(threading.Thread):
                 backoff = self.min_backoff
             with self._cv:
                 for _ in range(n):
-                    self._ops.popleft()
-                self._done = last
+                    op = self._ops.popleft()
+                    if op[1] == "metrics":
+                        self._queued_metrics -= op[3]
+                # everything submitted is sent or (shed) dropped when the queue is empty
+                self._done = last if self._ops else self._submitted
                 self._cv.notify_all()
 
     def abandon(self) -> None:
@@ -391,6 +419,7 @@ class Tracker:
         local_dir: str | os.PathLike | None = None,
         end_timeout: float = 30.0,
         max_backoff: float = 30.0,
+        max_queued: int = 1_000_000,
     ):
         if not experiment or not isinstance(experiment, str):
             raise ScaletrainError(f"tracking: experiment name must be a non-empty string, got {experiment!r}")
@@ -404,6 +433,7 @@ class Tracker:
         self.local_dir = Path(local_dir) if local_dir is not None else None
         self.end_timeout = float(end_timeout)
         self.max_backoff = float(max_backoff)
+        self.max_queued = int(max_queued)
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._client_obj = None
@@ -462,12 +492,12 @@ class Tracker:
             atomic_write_text(self.local_dir / RUN_FILE, json.dumps(info, indent=2) + "\n")
             self._journal.append({"t": event, "run_id": self.run_id, "uri": self.uri, "ts": _now_ms()})
         if self._sender is None or not self._sender.is_alive():
-            self._sender = _Sender(self._execute, max_backoff=self.max_backoff)
+            self._sender = _Sender(self._execute, max_backoff=self.max_backoff, max_queued=self.max_queued)
 
     def _send(self, kind: str, payload: Any, size: int = 1) -> int:
         """Queue an operation for the sender thread (a new one if an earlier end() let it stop)."""
         if self._sender is None or not self._sender.is_alive():
-            self._sender = _Sender(self._execute, max_backoff=self.max_backoff)
+            self._sender = _Sender(self._execute, max_backoff=self.max_backoff, max_queued=self.max_queued)
         return self._sender.submit(kind, payload, size=size)
 
     def _record(self, record: dict) -> None:
@@ -560,7 +590,13 @@ class Tracker:
         self._send("end", (self.run_id, status, ts))
         self._ended = True
         ok = self._sender.wait(timeout=self.end_timeout if timeout is None else timeout)
-        if ok:
+        if ok and self._sender.dropped:
+            ok = False
+            where = f" {self.local_dir.parent}" if self.local_dir is not None else ""
+            log.warning("tracking: %d metric values of run %s were kept only in the journal during the outage; "
+                        "`scaletrain tracking sync%s` uploads them", self._sender.dropped, self.run_id, where)
+            self._sender.close()
+        elif ok:
             self._sender.close()
         else:
             self._sender.abandon()
