@@ -101,6 +101,7 @@ class TrackingConfig:
     uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else a local store in the project directory
     experiment: str = "scaletrain"
     run_name: str = ""
+    end_timeout: float = 30.0  # seconds the end of a job waits for an unreachable server (then: tracking sync)
 
 
 @dataclass

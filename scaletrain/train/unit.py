@@ -47,6 +47,7 @@ class StepOutput:
     nll_sum: float
     ntok: int
     examples: int
+    global_src_tokens: int = 0  # source tokens of the step, all ranks (throughput)
 
 
 def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool) -> StepOutput | None:
@@ -57,7 +58,8 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     over ranks and accumulation steps, the gradient is d(sum of losses)/d(theta) / (global target tokens).
     """
     local_tok = sum(b.n_tgt_tokens for b in micro)
-    g_tok, g_stop = engine.all_reduce_sum([local_tok, 1.0 if stop_vote else 0.0])
+    local_src = sum(b.n_src_tokens for b in micro)
+    g_tok, g_stop, g_src = engine.all_reduce_sum([local_tok, 1.0 if stop_vote else 0.0, local_src])
     if g_stop > 0:
         return None
     scale = engine.world_size * len(micro) / g_tok
@@ -71,7 +73,7 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
         nll_acc += float(nll_sum.detach())
         ntok_acc += int(ntok)
         examples += b.size
-    return StepOutput(engine.step(), int(g_tok), loss_acc, nll_acc, ntok_acc, examples)
+    return StepOutput(engine.step(), int(g_tok), loss_acc, nll_acc, ntok_acc, examples, int(g_src))
 
 
 @torch.no_grad()
