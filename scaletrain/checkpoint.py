@@ -408,8 +408,59 @@ def load_checkpoint_vocab(ckpt: Path, langs: list[str]):
     return vocab
 
 
+def load_exported(path: str | Path, device: str | torch.device = "cpu"):
+    """``load_for_inference`` for one file written by ``scaletrain export`` (``--format safetensors``):
+    the config, languages, step and (subword models) the tokenizer record ride in its metadata, the
+    SentencePiece model lies beside it. Any architecture, with no training checkpoint."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from scaletrain.config import from_dict
+    from scaletrain.models import build_model
+    from scaletrain.vocab import ByteVocab
+    import yaml
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types
+        raise ScaletrainError(f"{path}: not a readable safetensors file ({e})") from None
+    if "scaletrain_config" not in meta or "langs" not in meta:
+        raise ScaletrainError(f"{path}: not written by `scaletrain export` (no scaletrain_config/langs metadata); "
+                              "give a checkpoint or run directory instead")
+    cfg = from_dict(yaml.safe_load(meta["scaletrain_config"]))
+    langs = json.loads(meta["langs"])
+    if meta.get("vocab"):
+        info = json.loads(meta["vocab"])
+        from scaletrain.vocab import SubwordVocab
+
+        spm = path.parent / info["file"]
+        if not spm.is_file():
+            raise ScaletrainError(f"{path}: its SentencePiece model {info['file']} is not beside it")
+        vocab = SubwordVocab(langs, spm)
+        if vocab.sha256 != info["sha256"]:
+            raise ScaletrainError(f"{spm}: sha256 {vocab.sha256[:12]}... differs from {path.name}'s record "
+                                  f"{info['sha256'][:12]}...")
+    else:
+        vocab = ByteVocab(langs)
+    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces())
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not m.endswith("_float_tensor")]
+    if missing or unexpected:
+        raise ScaletrainError(f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.to(device).eval()
+    step = meta.get("step")
+    trainer_state = {"step": int(step) if step and step.isdigit() else None}
+    return model, cfg, vocab, trainer_state, path
+
+
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, config, langs, trainer_state) from a checkpoint or run directory."""
+    """(model in eval mode, config, vocab, trainer_state, path) from a checkpoint or run directory, or
+    from a ``.safetensors`` file written by ``scaletrain export`` (``load_exported``)."""
+    if Path(path).is_file() and str(path).endswith(".safetensors"):
+        return load_exported(path, device)
     from scaletrain.config import from_dict
     from scaletrain.models import build_model
     import yaml
@@ -418,7 +469,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     cfg = from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
     langs = json.loads((ckpt / "langs.json").read_text())
     vocab = load_checkpoint_vocab(ckpt, langs)
-    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces())
+    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces(), moe=cfg.moe)
     sd = load_model_weights(ckpt)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("_float_tensor")]

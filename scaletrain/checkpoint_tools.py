@@ -40,7 +40,11 @@ def _save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
-    """Write the consolidated weights of ``ckpt`` to ``out`` (safetensors); returns the path."""
+    """Write the consolidated weights of ``ckpt`` to ``out`` (safetensors); returns the path.
+
+    Config, languages and step ride in the metadata; a SentencePiece model is copied beside ``out``
+    as ``<out stem>.<file>``. ``translate`` / ``evaluate --checkpoint out`` load the file directly
+    (``scaletrain.checkpoint.load_exported``), for every architecture."""
     if dtype not in DTYPES:
         raise ScaletrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     ck = resolve_checkpoint(ckpt)
@@ -54,6 +58,14 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") ->
         "source": str(ck),
     }
     out = Path(out)
+    vocab_meta = ck / "vocab.json"
+    if vocab_meta.is_file():  # a SentencePiece model travels beside the file, recorded in its metadata
+        info = json.loads(vocab_meta.read_text())
+        name = f"{out.stem}.{info['file']}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ck / info["file"], out.parent / (name + ".tmp"))
+        os.replace(out.parent / (name + ".tmp"), out.parent / name)
+        meta["vocab"] = json.dumps({"kind": info["kind"], "file": name, "sha256": info["sha256"]})
     _save_safetensors(sd, out, meta)
     return out
 

@@ -20,7 +20,7 @@ import yaml
 
 from scaletrain.data.example import token_budget_problem
 from scaletrain.errors import ScaletrainError
-from scaletrain.models.config import ModelConfig
+from scaletrain.models.config import ModelConfig, MoEConfig
 
 
 @dataclass
@@ -111,6 +111,7 @@ class TrackingConfig:
     uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else a local store in the project directory
     experiment: str = "scaletrain"
     run_name: str = ""
+    end_timeout: float = 30.0  # seconds the end of a job waits for an unreachable server (then: tracking sync)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Config:
     name: str = "default"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # sparse MoE feed-forward layers, expert parallelism
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -378,6 +380,11 @@ def validate(cfg: Config) -> None:
     if cfg.engine.threads < 0:
         bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
     cfg.model.validate()  # the model rules (scaletrain.models.config)
+    cfg.moe.validate(cfg.model)
+    if cfg.moe.ep_size > 1:
+        bad("moe.ep_size", f"{cfg.moe.ep_size}: expert parallelism exists in the model layer and its exchange "
+            "(scaletrain.parallel) but the training engines do not reduce expert gradients over the "
+            "expert-data-parallel group yet; use moe.ep_size=1")
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
     if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):

@@ -11,19 +11,33 @@ default would be ``./mlruns`` relative to the current working directory, whereve
 The run id lives on rank 0; :func:`broadcast_run_id` (or :meth:`Tracker.sync_run_id`, a collective every
 rank must call) sends it to the other ranks when a ``torch.distributed`` process group is initialised.
 
-Metrics are buffered and written with ``MlflowClient.log_batch`` (at most 1000 per request) when the buffer
-holds ``flush_every`` values, when ``flush_secs`` have passed since the last write, and on ``flush()``,
-``log_artifact``, ``end()``; so per-step logging costs a dict append.
+Metrics are buffered and handed to a background sender thread (``MlflowClient.log_batch``, at most 1000
+per request) when the buffer holds ``flush_every`` values, when ``flush_secs`` have passed since the last
+hand-over, and on ``flush()``, ``log_artifact``, ``end()``; so per-step logging costs a dict append and a
+journal line. The training thread never waits for the network: params, tags, artifacts and the end status
+go through the same sender, which retries with backoff while the server is down (one warning), and sends
+the backlog when it is back.
+
+Outage tolerance: with ``local_dir`` (training uses ``<out_dir>/tracking``) every operation is first
+appended to ``journal.jsonl`` (metrics with the timestamp they are sent with) and ``run.json`` names the run
+and the store. :func:`sync_run` (``scaletrain tracking sync RUN_DIR``) uploads what the server missed,
+matching metrics by (key, step, timestamp) so nothing is sent twice, and applies a pending end status.
+For HTTP stores, MLflow's own retries (7, backoff up to 120 s) are turned off in this process unless
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set: the sender retries itself.
 
 Metric and parameter names are made MLflow-safe: ``->`` becomes ``-`` (``bleu/xx->en`` -> ``bleu/xx-en``),
 any other character outside ``[A-Za-z0-9_./ :-]`` becomes ``_``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
+import logging
 import math
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +45,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from scaletrain.errors import ScaletrainError
 
+log = logging.getLogger("scaletrain")
+
 __all__ = [
     "DEFAULT_EXPERIMENT",
     "Tracker",
     "RunComparison",
+    "SyncReport",
+    "read_journal",
+    "sync_run",
     "broadcast_run_id",
     "compare_runs",
     "default_tracking_uri",
@@ -161,6 +180,208 @@ def _client(uri: str):
 
 
 # ----------------------------------------------------------------------------------------------
+# local journal and background sender
+
+JOURNAL = "journal.jsonl"
+RUN_FILE = "run.json"
+_PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST",
+                     "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED"}
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _permanent(e: BaseException) -> bool:
+    """An error that retrying cannot fix (a bad value, a deleted run); anything else (connection refused,
+    timeouts, 5xx) is an outage and is retried."""
+    return getattr(e, "error_code", None) in _PERMANENT_ERRORS
+
+
+def _fast_failing_http(uri: str) -> None:
+    """MLflow's HTTP client retries a failed request 7 times with backoff up to 120 s; our sender retries
+    by itself, so requests made in this process fail fast (unless the user set these variables)."""
+    if uri.startswith(("http://", "https://")):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+class _Journal:
+    """Append-only JSON lines in ``<local_dir>/journal.jsonl``: everything the tracker was asked to send,
+    written *before* it is sent, so that ``scaletrain tracking sync`` can upload what the server missed."""
+
+    def __init__(self, local_dir: Path):
+        self.dir = Path(local_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / JOURNAL
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False, allow_nan=True)
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def read_journal(path: str | os.PathLike) -> list[dict]:
+    """The journal's records; a torn last line (a crash mid-write) is skipped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+class _Sender(threading.Thread):
+    """Sends operations to MLflow in order, off the training thread. An operation that fails for an outage
+    is retried with exponential backoff (``min_backoff`` doubling up to ``max_backoff`` seconds) until it
+    succeeds; one warning when the server is lost, one line when it is back. Consecutive metric batches
+    are merged into requests of up to 1000 values. At most ``max_queued`` metric values wait in memory: in
+    a long outage the oldest queued batches are dropped from memory (one warning; ``dropped`` counts them)
+    and only the journal keeps them, for ``scaletrain tracking sync``."""
+
+    def __init__(self, execute, *, min_backoff: float = 0.5, max_backoff: float = 30.0, name: str = "",
+                 max_queued: int = 1_000_000):
+        super().__init__(name=f"scaletrain-tracking{name}", daemon=True)
+        self._execute = execute
+        self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self._ops: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self._closing = False
+        self._abandon = False
+        self.max_queued = max(1, int(max_queued))
+        self._queued_metrics = 0
+        self.dropped = 0
+        self.failing = False
+        self.warned = False
+        self.last_error: str | None = None
+        self.start()
+
+    def submit(self, kind: str, payload: Any, size: int = 1) -> int:
+        with self._cv:
+            self._submitted += 1
+            self._ops.append((self._submitted, kind, payload, size))
+            if kind == "metrics":
+                self._queued_metrics += size
+                self._shed()
+            self._cv.notify_all()
+            return self._submitted
+
+    def _shed(self) -> None:
+        """Drop the oldest queued metric batches (never the head, which may be in flight) above the cap."""
+        i = 1
+        while self._queued_metrics > self.max_queued and i < len(self._ops):
+            if self._ops[i][1] != "metrics":
+                i += 1
+                continue
+            size = self._ops[i][3]
+            del self._ops[i]
+            self._queued_metrics -= size
+            if not self.dropped:
+                log.warning("tracking: more than %d metric values are waiting for the MLflow server; the oldest "
+                            "are now kept only in the run directory's tracking journal: run `scaletrain tracking "
+                            "sync RUN_DIR` when the server is back", self.max_queued)
+            self.dropped += size
+
+    @property
+    def in_flight(self) -> int:
+        with self._cv:
+            return self._queued_metrics
+
+    def wait(self, seq: int | None = None, timeout: float | None = None) -> bool:
+        """Block until operation ``seq`` (default: everything submitted so far) is sent; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            target = self._submitted if seq is None else seq
+            while self._done < target:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+
+    def _take(self):
+        """The head operation, with the following metric batches merged into it (not yet removed)."""
+        seq, kind, payload, size = self._ops[0]
+        if kind != "metrics":
+            return 1, seq, kind, payload
+        merged, n, last = list(payload), 1, seq
+        for s2, k2, p2, _ in list(self._ops)[1:]:
+            if k2 != "metrics" or len(merged) + len(p2) > _MAX_METRICS_PER_BATCH:
+                break
+            merged.extend(p2)
+            n, last = n + 1, s2
+        return n, last, kind, merged
+
+    def run(self) -> None:
+        backoff = self.min_backoff
+        while True:
+            with self._cv:
+                while not self._ops and not self._closing:
+                    self._cv.wait()
+                if not self._ops:
+                    return
+                n, last, kind, payload = self._take()
+            try:
+                self._execute(kind, payload)
+            except Exception as e:  # noqa: BLE001 - any failure: keep training, retry or drop
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                self.last_error = msg
+                if not _permanent(e):
+                    if not self.warned:
+                        self.warned = True
+                        log.warning("tracking: MLflow server unreachable (%s); training continues, metrics are "
+                                    "kept in the run directory and sent when it is back (retrying with backoff up "
+                                    "to %.0f s)", msg, self.max_backoff)
+                    self.failing = True
+                    with self._cv:
+                        if self._closing and self._abandon:
+                            return
+                        self._cv.wait(backoff)
+                    backoff = min(backoff * 2, self.max_backoff)
+                    continue
+                log.warning("tracking: MLflow refused a %s request, dropped (%s)", kind, msg)
+            else:
+                if self.failing:
+                    log.warning("tracking: MLflow server reachable again; sending what it missed")
+                self.failing = False
+                backoff = self.min_backoff
+            with self._cv:
+                for _ in range(n):
+                    op = self._ops.popleft()
+                    if op[1] == "metrics":
+                        self._queued_metrics -= op[3]
+                # everything submitted is sent or (shed) dropped when the queue is empty
+                self._done = last if self._ops else self._submitted
+                self._cv.notify_all()
+
+    def abandon(self) -> None:
+        """Stop retrying (the process is ending; the journal keeps what was not sent)."""
+        with self._cv:
+            self._abandon = True
+            self._closing = True
+            self._cv.notify_all()
+
+
+# ----------------------------------------------------------------------------------------------
 # tracker
 
 
@@ -169,11 +390,20 @@ class Tracker:
 
     Usage (every rank)::
 
-        tr = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_name, is_main, project_dir)
+        tr = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_name, is_main, project_dir,
+                     local_dir=out_dir / "tracking")
         tr.start(params=config_dict, tags={...})   # or tr.resume(run_id) after a restart
         tr.sync_run_id()                           # collective: all ranks learn the id
         tr.log_metrics({"train/loss": 2.3}, step)
         tr.end("FINISHED")
+
+    Creating or resuming the run talks to the store directly (the run id is needed at once). Everything
+    after that (params, tags, metrics, artifacts, the end status) goes through a background thread that
+    retries with backoff while the server is unreachable, so the caller never waits for the network; with
+    ``local_dir``, every operation is first appended to ``local_dir/journal.jsonl`` (metrics with the
+    timestamp they are sent with) and the run's identity is in ``local_dir/run.json``: :func:`sync_run`
+    (``scaletrain tracking sync RUN_DIR``) uploads whatever the server missed, without duplicates.
+    ``end()`` waits at most ``end_timeout`` seconds for the sender.
     """
 
     def __init__(
@@ -186,6 +416,10 @@ class Tracker:
         *,
         flush_every: int = 200,
         flush_secs: float = 30.0,
+        local_dir: str | os.PathLike | None = None,
+        end_timeout: float = 30.0,
+        max_backoff: float = 30.0,
+        max_queued: int = 1_000_000,
     ):
         if not experiment or not isinstance(experiment, str):
             raise ScaletrainError(f"tracking: experiment name must be a non-empty string, got {experiment!r}")
@@ -196,12 +430,20 @@ class Tracker:
         self.run_name = run_name
         self.flush_every = max(1, int(flush_every))
         self.flush_secs = float(flush_secs)
+        self.local_dir = Path(local_dir) if local_dir is not None else None
+        self.end_timeout = float(end_timeout)
+        self.max_backoff = float(max_backoff)
+        self.max_queued = int(max_queued)
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._client_obj = None
         self._buffer: list = []
         self._last_flush = time.monotonic()
         self._ended = False
+        self._journal: _Journal | None = None
+        self._sender: _Sender | None = None
+        if self.is_main:
+            _fast_failing_http(self.uri)
 
     # ---- store ---------------------------------------------------------------------------------
     @property
@@ -238,6 +480,56 @@ class Tracker:
             raise ScaletrainError(f"tracking: {what} before start() or resume()")
         return self.run_id
 
+    def _open_local(self, event: str) -> None:
+        """Start the sender (and the journal) once the run id is known."""
+        if self.local_dir is not None:
+            if self._journal is None:
+                self._journal = _Journal(self.local_dir)
+            info = {"uri": self.uri, "run_id": self.run_id, "experiment_id": self.experiment_id,
+                    "experiment": self.experiment, "run_name": self.run_name}
+            from scaletrain.fileio import atomic_write_text
+
+            atomic_write_text(self.local_dir / RUN_FILE, json.dumps(info, indent=2) + "\n")
+            self._journal.append({"t": event, "run_id": self.run_id, "uri": self.uri, "ts": _now_ms()})
+        if self._sender is None or not self._sender.is_alive():
+            self._sender = _Sender(self._execute, max_backoff=self.max_backoff, max_queued=self.max_queued)
+
+    def _send(self, kind: str, payload: Any, size: int = 1) -> int:
+        """Queue an operation for the sender thread (a new one if an earlier end() let it stop)."""
+        if self._sender is None or not self._sender.is_alive():
+            self._sender = _Sender(self._execute, max_backoff=self.max_backoff, max_queued=self.max_queued)
+        return self._sender.submit(kind, payload, size=size)
+
+    def _record(self, record: dict) -> None:
+        if self._journal is not None:
+            self._journal.append(record)
+
+    def _execute(self, kind: str, payload: Any) -> None:
+        """Runs on the sender thread."""
+        c = self.client
+        if kind == "metrics":
+            c.log_batch(self.run_id, metrics=payload)
+            return
+        run_id = payload[0]
+        if kind == "params":
+            c.log_batch(run_id, params=payload[1])
+        elif kind == "tags":
+            c.log_batch(run_id, tags=payload[1])
+        elif kind == "artifact":
+            _, path, artifact_path = payload
+            if Path(path).is_dir():
+                c.log_artifacts(run_id, path, artifact_path)
+            else:
+                c.log_artifact(run_id, path, artifact_path)
+        elif kind == "text":
+            c.log_text(run_id, payload[1], payload[2])
+        elif kind == "dict":
+            c.log_dict(run_id, payload[1], payload[2])
+        elif kind == "end":
+            c.set_terminated(run_id, status=payload[1], end_time=payload[2])
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, params: Mapping[str, Any] | Any | None = None, tags: Mapping[str, Any] | None = None) -> str | None:
         """Create the run (main rank); log ``params`` (nested config, flattened with dotted keys) and
@@ -251,6 +543,7 @@ class Tracker:
         self.run_id = run.info.run_id
         self.run_name = run.info.run_name
         self._ended = False
+        self._open_local("start")
         if params is not None:
             self.log_params(params)
         return self.run_id
@@ -274,6 +567,7 @@ class Tracker:
         self._ended = False
         if run.info.status != "RUNNING":
             self.client.update_run(self.run_id, status="RUNNING")
+        self._open_local("resume")
         return self.run_id
 
     def sync_run_id(self) -> str | None:
@@ -281,16 +575,39 @@ class Tracker:
         self.run_id = broadcast_run_id(self.run_id, self.is_main)
         return self.run_id
 
-    def end(self, status: str = "FINISHED") -> None:
-        """Flush buffered metrics and mark the run FINISHED / FAILED / KILLED."""
+    def end(self, status: str = "FINISHED", timeout: float | None = None) -> bool:
+        """Mark the run FINISHED / FAILED / KILLED after everything logged before. Waits at most ``timeout``
+        (default ``end_timeout``) seconds for the server; returns False if it did not get everything (the
+        journal keeps it for ``scaletrain tracking sync``)."""
         if not self.is_main or self.run_id is None or self._ended:
-            return
+            return True
         status = status.upper()
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ScaletrainError(f"tracking: end(status) must be FINISHED, FAILED or KILLED, got {status!r}")
-        self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+        self._submit_buffer()
+        ts = _now_ms()
+        self._record({"t": "end", "status": status, "ts": ts})
+        self._send("end", (self.run_id, status, ts))
         self._ended = True
+        ok = self._sender.wait(timeout=self.end_timeout if timeout is None else timeout)
+        if ok and self._sender.dropped:
+            ok = False
+            where = f" {self.local_dir.parent}" if self.local_dir is not None else ""
+            log.warning("tracking: %d metric values of run %s were kept only in the journal during the outage; "
+                        "`scaletrain tracking sync%s` uploads them", self._sender.dropped, self.run_id, where)
+            self._sender.close()
+        elif ok:
+            self._sender.close()
+        else:
+            self._sender.abandon()
+            where = (f"`scaletrain tracking sync {self.local_dir.parent}` uploads it"
+                     if self.local_dir is not None else "it is lost")
+            log.warning("tracking: MLflow run %s did not get everything before the end (%s); %s",
+                        self.run_id, self._sender.last_error, where)
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        return ok
 
     def __enter__(self) -> "Tracker":
         return self
@@ -309,9 +626,10 @@ class Tracker:
 
         run_id = self._require_run("log_params")
         flat = flatten_params(params)
+        self._record({"t": "params", "v": flat})
         items = [Param(k, v) for k, v in flat.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH])
+            self._send("params", (run_id, items[i : i + _MAX_PARAMS_PER_BATCH]))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.is_main:
@@ -319,65 +637,201 @@ class Tracker:
         from mlflow.entities import RunTag
 
         run_id = self._require_run("set_tags")
-        items = [RunTag(safe_key(k), str(v)[:_MAX_TAG_VAL]) for k, v in tags.items()]
+        flat = {safe_key(k): str(v)[:_MAX_TAG_VAL] for k, v in tags.items()}
+        self._record({"t": "tags", "v": flat})
+        items = [RunTag(k, v) for k, v in flat.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(run_id, tags=items[i : i + _MAX_PARAMS_PER_BATCH])
+            self._send("tags", (run_id, items[i : i + _MAX_PARAMS_PER_BATCH]))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Buffer ``metrics`` (numbers, 0-d tensors/arrays) at ``step``; written in batches."""
+        """Record ``metrics`` (numbers, 0-d tensors/arrays) at ``step``: one journal line now, sent in
+        batches by the background thread."""
         if not self.is_main:
             return
         from mlflow.entities import Metric
 
         self._require_run("log_metrics")
-        ts = int(time.time() * 1000)
+        ts = _now_ms()
+        vals = {}
         for k, v in metrics.items():
             try:
                 val = float(v.item() if hasattr(v, "item") else v)
             except (TypeError, ValueError):
                 raise ScaletrainError(f"tracking: metric {k!r} has a non-numeric value {v!r:.100}") from None
-            self._buffer.append(Metric(safe_key(k), val, ts, int(step)))
+            vals[safe_key(k)] = val
+        self._record({"t": "m", "s": int(step), "ts": ts, "v": vals})
+        self._buffer.extend(Metric(k, v, ts, int(step)) for k, v in vals.items())
         if len(self._buffer) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_secs:
-            self.flush()
+            self._submit_buffer()
 
-    def flush(self) -> None:
+    def _submit_buffer(self) -> None:
+        self._last_flush = time.monotonic()
         if not self.is_main or not self._buffer or self.run_id is None:
-            self._last_flush = time.monotonic()
             return
         buf, self._buffer = self._buffer, []
         for i in range(0, len(buf), _MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=buf[i : i + _MAX_METRICS_PER_BATCH])
-        self._last_flush = time.monotonic()
+            chunk = buf[i : i + _MAX_METRICS_PER_BATCH]
+            self._send("metrics", chunk, size=len(chunk))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Hand the buffered metrics to the sender and wait up to ``timeout`` seconds (default
+        ``end_timeout``; 0: do not wait) for everything logged so far. Returns whether all of it reached
+        the store (False: it is still queued, and in the journal)."""
+        self._submit_buffer()
+        if self._sender is None:
+            return True
+        return self._sender.wait(timeout=self.end_timeout if timeout is None else timeout)
 
     @property
     def pending(self) -> int:
-        """Metric values buffered but not yet written."""
-        return len(self._buffer)
+        """Metric values logged but not yet written to the store."""
+        return len(self._buffer) + (self._sender.in_flight if self._sender is not None else 0)
+
+    @property
+    def server_failing(self) -> bool:
+        return bool(self._sender is not None and self._sender.failing)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        """Upload a file or a directory (recursively) to the run's artifacts."""
+        """Upload a file or a directory (recursively) to the run's artifacts (in the background)."""
         if not self.is_main:
             return
         run_id = self._require_run("log_artifact")
         p = Path(path)
         if not p.exists():
             raise ScaletrainError(f"tracking: log_artifact: {p} does not exist")
-        self.flush()
-        if p.is_dir():
-            self.client.log_artifacts(run_id, str(p), artifact_path)
-        else:
-            self.client.log_artifact(run_id, str(p), artifact_path)
+        self._submit_buffer()
+        self._record({"t": "artifact", "path": str(p.resolve()), "dir": artifact_path})
+        self._send("artifact", (run_id, str(p), artifact_path))
+
+    def _local_artifact(self, artifact_file: str) -> Path | None:
+        if self.local_dir is None:
+            return None
+        dest = self.local_dir / "artifacts" / artifact_file
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        return dest
 
     def log_dict(self, data: Mapping[str, Any] | Sequence, artifact_file: str) -> None:
         """Store ``data`` as a JSON (``.json``) or YAML (``.yaml``/``.yml``) artifact."""
         if not self.is_main:
             return
-        self.client.log_dict(self._require_run("log_dict"), data, artifact_file)
+        run_id = self._require_run("log_dict")
+        dest = self._local_artifact(artifact_file)
+        if dest is None:
+            self._send("dict", (run_id, data, artifact_file))
+            return
+        if artifact_file.endswith((".yaml", ".yml")):
+            import yaml
+
+            text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+        else:
+            text = json.dumps(data, indent=2, ensure_ascii=False)
+        self.log_text(text, artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         if not self.is_main:
             return
-        self.client.log_text(self._require_run("log_text"), text, artifact_file)
+        run_id = self._require_run("log_text")
+        dest = self._local_artifact(artifact_file)
+        if dest is None:
+            self._send("text", (run_id, text, artifact_file))
+            return
+        dest.write_text(text, encoding="utf-8")
+        self.log_artifact(dest, str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# sync: upload what the server missed
+
+
+@dataclass
+class SyncReport:
+    run_id: str
+    metrics_sent: int
+    metrics_present: int
+    artifacts: int
+    status: str | None  # the status applied, None if nothing to apply
+
+
+def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncReport]:
+    """Upload what a run's server missed from ``run_dir`` (a training output directory holding
+    ``tracking/``, or that ``tracking`` directory itself): metrics not on the server (matched by key, step
+    and timestamp, so running it twice sends nothing twice), params, tags, artifacts, and the end status
+    if the journal's last event for the run is its end. ``uri`` overrides the one in ``run.json``."""
+    d = Path(run_dir)
+    tdir = d if (d / RUN_FILE).is_file() else d / "tracking"
+    if not (tdir / RUN_FILE).is_file() or not (tdir / JOURNAL).is_file():
+        raise ScaletrainError(f"tracking sync: {d} has no tracking/{RUN_FILE} and tracking/{JOURNAL} "
+                              "(is it the out_dir of a training run with tracking enabled?)")
+    info = json.loads((tdir / RUN_FILE).read_text())
+    target = uri or info["uri"]
+    _fast_failing_http(target)
+    client = _client(target)
+    by_run: dict[str, dict] = {}
+    cur = info["run_id"]
+    for rec in read_journal(tdir / JOURNAL):
+        t = rec.get("t")
+        if t in ("start", "resume"):
+            cur = rec["run_id"]
+        r = by_run.setdefault(cur, {"m": [], "params": {}, "tags": {}, "artifacts": [], "last": None})
+        if t == "m":
+            r["m"].extend((k, v, rec["ts"], rec["s"]) for k, v in rec["v"].items())
+        elif t == "params":
+            r["params"].update(rec["v"])
+        elif t == "tags":
+            r["tags"].update(rec["v"])
+        elif t == "artifact":
+            r["artifacts"].append((rec["path"], rec.get("dir")))
+        if t in ("start", "resume", "end"):
+            r["last"] = rec
+    reports = []
+    for run_id, r in by_run.items():
+        try:
+            reports.append(_sync_one(client, run_id, r))
+        except ScaletrainError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the server is down or refused: nothing is lost, run it again
+            raise ScaletrainError(f"tracking sync: run {run_id} at {target}: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__} "
+                                  "(nothing is lost: the journal stays; run sync again)") from None
+    return reports
+
+
+def _sync_one(client, run_id: str, r: dict) -> SyncReport:
+    from mlflow.entities import Metric, Param, RunTag
+
+    run = client.get_run(run_id)
+    missing, present = [], 0
+    keys = sorted({m[0] for m in r["m"]})
+    for key in keys:
+        have = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}
+        for k, v, ts, s in (m for m in r["m"] if m[0] == key):
+            if (s, ts) in have:
+                present += 1
+            else:
+                have.add((s, ts))
+                missing.append(Metric(k, v, ts, s))
+    for i in range(0, len(missing), _MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=missing[i : i + _MAX_METRICS_PER_BATCH])
+    params = [Param(k, v) for k, v in r["params"].items() if k not in run.data.params]
+    for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + _MAX_PARAMS_PER_BATCH])
+    tags = [RunTag(k, v) for k, v in r["tags"].items() if run.data.tags.get(k) != v]
+    for i in range(0, len(tags), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=tags[i : i + _MAX_PARAMS_PER_BATCH])
+    n_art = 0
+    for path, adir in r["artifacts"]:
+        p = Path(path)
+        if not p.exists():
+            log.warning("tracking sync: artifact %s is gone, skipped", p)
+            continue
+        (client.log_artifacts if p.is_dir() else client.log_artifact)(run_id, str(p), adir)
+        n_art += 1
+    applied = None
+    last = r["last"]
+    if last is not None and last["t"] == "end" and run.info.status != last["status"]:
+        client.set_terminated(run_id, status=last["status"], end_time=last["ts"])
+        applied = last["status"]
+    return SyncReport(run_id, len(missing), present, n_art, applied)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -138,3 +138,24 @@ def valid_examples(shards, n: int) -> list:
         if len(out) == n:
             break
     return out
+
+
+def _rank_entry(rank: int, world: int, port: int, fn, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int = 2, *args) -> None:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks in forked processes (the children reuse the
+    imported torch); an exception on any rank fails the call."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="fork")

@@ -3,6 +3,8 @@
     scaletrain data stats DIR                   # per-direction pairs, bytes, length percentiles, filters
     scaletrain data verify DIR                  # checksums + decode every block; names a bad shard
     scaletrain data spm DIR --vocab-size N      # add a SentencePiece BPE model to prepared shards
+    scaletrain data export DIR --split test --out TXT [--direction de-en]
+                                                # line-aligned plain text, one file pair per direction
 
 ``data spm`` has the same options as ``prepare --spm-vocab-size`` (see ``scaletrain.data.spm_train``).
 """
@@ -48,8 +50,18 @@ def _spm(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from scaletrain.data.export_text import export_split
+
+    dirs = [d.strip() for d in args.direction.split(",") if d.strip()] if args.direction else None
+    for e in export_split(args.shard_dir, args.split, args.out, dirs):
+        note = f" ({e.line_breaks} sentence(s) with line breaks written as spaces)" if e.line_breaks else ""
+        print(f"{e.direction}: {e.n:,} lines -> {e.src_path}, {e.tgt_path}{note}")
+    return 0
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="inspect a prepared shard directory (stats, verify)")
+    p = subparsers.add_parser("data", help="inspect a prepared shard directory (stats, verify, spm, export)")
     sub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
 
     st = sub.add_parser("stats", help="per-direction pairs, bytes, length percentiles, filter counts")
@@ -72,3 +84,13 @@ def register(subparsers) -> None:
     sp.add_argument("--overwrite", action="store_true", help="retrain and replace a model of the same size")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.set_defaults(func=_spm)
+
+    ex = sub.add_parser("export", help="write a split as line-aligned plain text: OUT/SPLIT.SRC-TGT.SRC and "
+                                       "OUT/SPLIT.SRC-TGT.TGT per direction (for sacrebleu and other scorers)")
+    ex.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json)")
+    ex.add_argument("--split", default="test", help="split to write (default test)")
+    ex.add_argument("--direction", default=None, help="comma-separated directions such as de-en,en-de "
+                    "(default: every direction of the split)")
+    ex.add_argument("--out", required=True, help="output directory (created; files of the same names are replaced "
+                    "atomically)")
+    ex.set_defaults(func=_export)

@@ -2,7 +2,8 @@
 
     scaletrain evaluate --checkpoint runs/small-XXXX --beam 4 --lenpen 1.0 --json out.json
 
-The work is :func:`scaletrain.eval.evaluate.evaluate_checkpoint`; the report is printed beside a
+The work is :func:`scaletrain.eval.evaluate.evaluate_checkpoint`; every hypothesis is written under the run
+directory (``RUN/eval/<split>/hyp.<src>-<tgt>.txt``, line-aligned with ``ref.*`` and ``src.*``); the report is printed beside a
 copy-the-source baseline, optionally written as JSON and logged to the training run in MLflow.
 """
 from __future__ import annotations
@@ -16,13 +17,16 @@ log = logging.getLogger("scaletrain")
 
 def register(subparsers) -> None:
     ev = subparsers.add_parser("evaluate", help="decode a split and score BLEU/chrF per direction")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest checkpoint)")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest checkpoint), or "
+                    "a .safetensors file written by `scaletrain export`")
     ev.add_argument("--split", default=None, help="split to decode (default: eval.split of the recipe, test)")
     ev.add_argument("--shards", default=None, help="shard directory (default: the one the model was trained on)")
     ev.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
     ev.add_argument("--lenpen", type=float, default=None, help="length penalty")
     ev.add_argument("--max-lines", type=int, default=0, help="decode only the first N lines per direction (0 = all)")
     ev.add_argument("--json", default=None, help="write the report as JSON here")
+    ev.add_argument("--hyp-dir", default=None,
+                    help="write src/ref/hyp.<src>-<tgt>.txt per direction here (default: RUN_DIR/eval/<split>)")
     ev.add_argument("--no-track", action="store_true", help="do not log to the training run in MLflow")
     ev.set_defaults(func=run)
 
@@ -31,7 +35,8 @@ def run(args) -> int:
     import torch
 
     from scaletrain.checkpoint import atomic_write_text
-    from scaletrain.eval.evaluate import evaluate_checkpoint, log_to_mlflow, result_to_json
+    from scaletrain.eval.evaluate import (evaluate_checkpoint, log_to_mlflow, result_to_json, run_dir_of,
+                                          write_hypotheses)
     from scaletrain.eval.scoring import format_table
 
     result = evaluate_checkpoint(
@@ -46,9 +51,12 @@ def run(args) -> int:
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(result_to_json(result), indent=2, ensure_ascii=False))
         print(f"wrote {args.json}")
+    hyp_dir = Path(args.hyp_dir) if args.hyp_dir else run_dir_of(result["checkpoint"]) / "eval" / result["split"]
+    files = write_hypotheses(result, hyp_dir)
+    print(f"wrote {len(files) // 3} directions' src/ref/hyp files to {hyp_dir}")
     if not args.no_track:
         try:
-            log_to_mlflow(result)
+            log_to_mlflow(result, hyp_dir)
         except Exception as e:  # tracking must not lose an evaluation that already ran
             log.warning("could not log evaluation to MLflow run %s: %s", result.get("run_id"), e)
     return 0

@@ -1,23 +1,65 @@
-"""`scaletrain export`: consolidate a checkpoint (ZeRO shards too) into one safetensors file.
+"""`scaletrain export`: a checkpoint (ZeRO shards too) as one safetensors file, or as a Hugging Face model.
 
     scaletrain export runs/x --out model.safetensors [--dtype bf16|fp32]
+    scaletrain export runs/x --format hf --out hf_model/ [--eval-json eval.json]
+    scaletrain export runs/x --format ct2 --out ct2_model/ [--quantization int8]
 
-The work is :func:`scaletrain.checkpoint_tools.export_checkpoint`.
+``--format safetensors`` is :func:`scaletrain.checkpoint_tools.export_checkpoint`; ``--format hf``
+(:func:`scaletrain.hf_export.export_hf`) writes a ``MarianMTModel`` directory (weights, config,
+generation config, byte-level tokenizer, model card) for the byte Transformer recipes that map onto
+Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others with the reason;
+``--format ct2`` (:func:`scaletrain.ct2_export.export_ct2`) converts that export with CTranslate2's
+``TransformersConverter``.
 """
 from __future__ import annotations
 
-from scaletrain.checkpoint_tools import DTYPES, export_checkpoint
+from scaletrain.checkpoint_tools import DTYPES
 
 
 def register(subparsers) -> None:
-    ex = subparsers.add_parser("export", help="consolidate a checkpoint (ZeRO shards too) into one safetensors file")
+    ex = subparsers.add_parser("export", help="consolidate a checkpoint (ZeRO shards too) into one safetensors "
+                                              "file, or export it as a Hugging Face MarianMTModel (--format hf)")
     ex.add_argument("checkpoint", help="checkpoint dir, or a run dir (uses its latest checkpoint)")
-    ex.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    ex.add_argument("--out", required=True, help="output file (safetensors, e.g. model.safetensors: translate / "
+                    "evaluate --checkpoint load it directly) or directory (hf, ct2)")
+    ex.add_argument("--format", default="safetensors", choices=("safetensors", "hf", "ct2"),
+                    help="safetensors: our weights in one file (default); hf: a MarianMTModel directory that "
+                    "transformers loads with AutoTokenizer / AutoModelForSeq2SeqLM (post-LN byte Transformer "
+                    "with shared embeddings only: recipes base, small); ct2: that model converted to a CTranslate2 "
+                    "directory (needs pip install ctranslate2)")
     ex.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="stored dtype (default fp32)")
+    ex.add_argument("--eval-json", default=None, help="hf: the report of `scaletrain evaluate --json FILE`, "
+                    "shown in the model card (BLEU/chrF per direction with sacrebleu signatures)")
+    ex.add_argument("--quantization", default=None, help="ct2: CTranslate2 weight type (e.g. int8, int8_float32, "
+                    "float16; default: as exported)")
+    ex.add_argument("--overwrite", action="store_true", help="hf, ct2: replace a non-empty --out directory")
     ex.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.format == "hf":
+        from scaletrain.hf_export import export_hf
+
+        out = export_hf(args.checkpoint, args.out, args.dtype, eval_json=args.eval_json, overwrite=args.overwrite)
+        print(f"wrote {out}: MarianMTModel ({args.dtype}), tokenizer, generation config, README.md")
+        return 0
+    from scaletrain.errors import ScaletrainError
+
+    if args.format == "ct2":
+        from scaletrain.ct2_export import export_ct2
+
+        if args.dtype != "fp32":
+            raise ScaletrainError("--format ct2 takes --quantization (e.g. int8, float16), not --dtype")
+        out = export_ct2(args.checkpoint, args.out, quantization=args.quantization, eval_json=args.eval_json,
+                         overwrite=args.overwrite)
+        print(f"wrote {out}: CTranslate2 model ({args.quantization or 'float32'}) and tokenizer files")
+        return 0
+    if args.quantization:
+        raise ScaletrainError("--quantization belongs to --format ct2")
+    from scaletrain.checkpoint_tools import export_checkpoint
+
+    if args.eval_json or args.overwrite:
+        raise ScaletrainError("--eval-json and --overwrite belong to --format hf and ct2")
     out = export_checkpoint(args.checkpoint, args.out, args.dtype)
     print(f"wrote {out} ({args.dtype})")
     return 0

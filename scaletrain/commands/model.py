@@ -41,7 +41,7 @@ def _summary(args) -> int:
         n_spm = args.spm_size or cfg.data.spm_vocab_size or 8000
         vocab_size = n_spm + n_langs
         pieces = [""] * 4 + [chr(0x61 + i % 26) * (1 + i % 6) for i in range(n_spm - 4)] + [""] * n_langs
-    s = model_summary(cfg.model, vocab_size, args.src_len, args.tgt_len, pieces=pieces)
+    s = model_summary(cfg.model, vocab_size, args.src_len, args.tgt_len, pieces=pieces, moe=cfg.moe)
     if args.json:
         print(json.dumps({**s, "recipe": cfg.name, "components": dict(s["components"])}, indent=2))
     else:

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
         "translate", help="translate stdin to stdout (one line out per line in), batched and streamed",
         description="Translate lines from stdin with a trained checkpoint; one output line per input line.",
     )
-    p.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest checkpoint)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest checkpoint), or "
+                   "a .safetensors file written by `scaletrain export`")
     p.add_argument("--src-lang", required=True, help="language code of the input (one of the model's languages)")
     p.add_argument("--tgt-lang", required=True, help="language code to translate into")
     p.add_argument("--beam", type=int, default=None, help="beam size, 1 = greedy (default: the recipe's eval.beam)")

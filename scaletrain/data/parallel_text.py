@@ -220,7 +220,8 @@ class PairFilter:
 class ParallelCorpus:
     """One line-aligned corpus of one split: a file pair or a TSV file (src<TAB>tgt), or a TSV file with
     language columns (``lang_columns=True``: src_lang<TAB>tgt_lang<TAB>src<TAB>tgt; ``src_lang`` /
-    ``tgt_lang`` are then unused, pass "")."""
+    ``tgt_lang`` are then unused, pass ""), or a Parquet file with a ``translation`` column
+    (``parquet_path``, Hugging Face Hub layout: rows are the "lines", see ``scaletrain.data.hf_parquet``)."""
 
     split: str
     src_lang: str
@@ -229,15 +230,20 @@ class ParallelCorpus:
     tgt_path: str | None = None
     tsv_path: str | None = None
     lang_columns: bool = False
+    parquet_path: str | None = None
 
     def __post_init__(self):
         if self.split not in ("train", "valid", "test"):
             raise ScaletrainError(f"split must be train, valid or test (got {self.split!r})")
-        if (self.tsv_path is None) == (self.src_path is None or self.tgt_path is None):
-            raise ScaletrainError("give either tsv_path or both src_path and tgt_path")
+        kinds = (self.tsv_path is not None) + (self.src_path is not None or self.tgt_path is not None) \
+            + (self.parquet_path is not None)
+        if kinds != 1 or (self.src_path is None) != (self.tgt_path is None):
+            raise ScaletrainError("give either tsv_path, parquet_path or both src_path and tgt_path")
+        if self.parquet_path is not None and self.lang_columns:
+            raise ScaletrainError("language columns are for TSV files, not Parquet")
         if self.lang_columns and self.tsv_path is None:
             raise ScaletrainError("language columns (src_lang<TAB>tgt_lang<TAB>src<TAB>tgt) need a tsv_path")
-        for p in (self.src_path, self.tgt_path, self.tsv_path):
+        for p in (self.src_path, self.tgt_path, self.tsv_path, self.parquet_path):
             if p is not None and not Path(p).is_file():
                 raise ScaletrainError(f"corpus file {p} does not exist")
 

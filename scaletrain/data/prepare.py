@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from scaletrain.data.example import Example
 from scaletrain.data.gettext import PIVOT, check_fracs, read_gettext, split_of
+from scaletrain.data.hf_parquet import check_schema, hf_parquet_corpora, read_parquet_range
 from scaletrain.data.opus import opus100_corpora
 from scaletrain.data.prepare_args import DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401 (re-exported)
 from scaletrain.data.shards import (
@@ -168,7 +169,11 @@ def _lang_column_pairs(task: dict, counters: Counter, lang_idx: dict):
 
 
 def _index_corpus(c: ParallelCorpus, every: int) -> tuple[int, list[tuple[int, int]]]:
-    """(n_lines, [(src_offset, tgt_offset)] per range); line-count mismatch -> ScaletrainError."""
+    """(n_lines, [(src_offset, tgt_offset)] per range); line-count mismatch -> ScaletrainError.
+    A Parquet corpus counts rows, and its offsets are row numbers."""
+    if c.parquet_path is not None:
+        n = check_schema(c.parquet_path, c.src_lang, c.tgt_lang)
+        return n, [(r, r) for r in range(0, n, every)] or [(0, 0)]
     if c.tsv_path is not None:
         ix = index_lines(c.tsv_path, every)
         return ix.n_lines, [(o, o) for o in ix.offsets]
@@ -188,7 +193,12 @@ def _run_task(task: dict) -> dict:
         counters["unknown_lang"] = 0
         rows = _lang_column_pairs(task, counters, {l: i for i, l in enumerate(task["languages"])})
     else:
-        pairs = read_tsv_range(c.tsv_path, so, n) if c.tsv_path else read_pair_range(c.src_path, c.tgt_path, so, to, n)
+        if c.parquet_path:
+            pairs = read_parquet_range(c.parquet_path, c.src_lang, c.tgt_lang, so, n)
+        elif c.tsv_path:
+            pairs = read_tsv_range(c.tsv_path, so, n)
+        else:
+            pairs = read_pair_range(c.src_path, c.tgt_path, so, to, n)
         rows = ((si, ti, p) for p in pairs)
     out = Path(task["out"])
     w = SplitWriter(out, c.split, task["languages"], shard_size=1 << 62, block_size=task["block_size"],
@@ -205,7 +215,7 @@ def _run_task(task: dict) -> dict:
         if task["both"]:
             w.add(Example(ti, si, tgt, src))
     if counters["lines"] != n:
-        raise ScaletrainError(f"{c.src_path or c.tsv_path}: file changed while preparing (read {counters['lines']} "
+        raise ScaletrainError(f"{c.src_path or c.tsv_path or c.parquet_path}: file changed while preparing (read {counters['lines']} "
                               f"of {n} lines at byte {so})")
     info = w.close()
     rec = {
@@ -436,6 +446,14 @@ def prepare_opus100(root: str | Path, out: str | Path, *, langs: Sequence[str] |
     return prepare_parallel(corpora, out, source=source, **kwargs)
 
 
+def prepare_hf_parquet(root: str | Path, out: str | Path, *, langs: Sequence[str] | None = None,
+                       **kwargs) -> Manifest:
+    """Hugging Face Hub layout (``<l1>-<l2>/<split>-*.parquet`` with a ``translation`` column) -> shards;
+    kwargs as ``prepare_parallel``. See ``scaletrain.data.hf_parquet``."""
+    corpora, source = hf_parquet_corpora(root, langs)
+    return prepare_parallel(corpora, out, source=source, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # command line: `scaletrain prepare` (the CLI adds these arguments and calls prepare_from_args)
 # ---------------------------------------------------------------------------------------------
@@ -523,10 +541,12 @@ def prepare_from_args(args) -> int:
         check_spm_args(args.spm_vocab_size, args.spm_sentences, args.spm_character_coverage, args.spm_threads,
                        prefix="--spm-")
     langs = _split_langs(args.langs)
+    if getattr(args, "input", None) and source != "hf-parquet":
+        raise ScaletrainError(f"--input belongs to --source hf-parquet, not {source}")
     if source == "gettext":
         if args.resume or args.workers != 1 or args.opus_root:
             raise ScaletrainError("--resume, --workers and --opus-root are for line-aligned sources "
-                                  "(--source opus100/moses/tsv); gettext catalogs are small and read in one pass")
+                                  "(--source opus100/hf-parquet/moses/tsv); gettext catalogs are small and read in one pass")
         m = prepare_gettext(package=args.package, langs=langs, out=out, overwrite=args.overwrite,
                             valid_frac=args.valid_frac, test_frac=args.test_frac, seed=args.seed,
                             progress=progress, locale_dir=args.locale_dir)
@@ -539,6 +559,11 @@ def prepare_from_args(args) -> int:
             if not args.opus_root:
                 raise ScaletrainError("--source opus100 needs --opus-root DIR (the OPUS-100 release folder)")
             m = prepare_opus100(args.opus_root, out, langs=langs, **kw)
+        elif source == "hf-parquet":
+            if not args.input:
+                raise ScaletrainError("--source hf-parquet needs --input DIR (one <l1>-<l2> folder per pair with "
+                                      "<split>-*.parquet files, as on the Hugging Face Hub)")
+            m = prepare_hf_parquet(args.input, out, langs=langs, **kw)
         else:
             lang_columns = getattr(args, "tsv_lang_columns", False)
             if langs and not lang_columns:

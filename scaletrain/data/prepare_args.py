@@ -7,18 +7,19 @@ from __future__ import annotations
 
 _SHARD_LINES = 50_000  # = prepare.PARALLEL_SHARD_LINES
 _BLOCK_SIZE = 1024  # = prepare.PARALLEL_BLOCK_SIZE
-SOURCES = ("gettext", "opus100", "moses", "tsv")
+SOURCES = ("gettext", "opus100", "hf-parquet", "moses", "tsv")
 DEFAULT_OUT = {"gettext": "shards/django", "opus100": "shards/opus100"}
 
 
 def add_prepare_arguments(p) -> None:
-    """All arguments of ``scaletrain prepare`` (gettext, OPUS-100, Moses file pairs, TSV)."""
+    """All arguments of ``scaletrain prepare`` (gettext, OPUS-100, Hub Parquet, Moses file pairs, TSV)."""
     p.add_argument("--source", default="gettext", choices=SOURCES, help="input format (default gettext)")
     p.add_argument("--out", default=None, help="output directory (default shards/django for gettext, "
                    "shards/opus100 for opus100; required otherwise)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--langs", default=None, help="comma-separated language codes (gettext: default the bundled "
-                   "set; opus100 and tsv with --tsv-lang-columns: default every language found)")
+                   "set; opus100 and tsv with --tsv-lang-columns: default every language found; hf-parquet: keep "
+                   "the pairs whose languages are all listed or en)")
     g = p.add_argument_group("gettext")
     g.add_argument("--package", default="django", help="installed Python package whose gettext catalogs to read")
     g.add_argument("--locale-dir", default=None, help="read <DIR>/<locale>/LC_MESSAGES/*.mo instead of a package "
@@ -29,6 +30,10 @@ def add_prepare_arguments(p) -> None:
     o = p.add_argument_group("opus100")
     o.add_argument("--opus-root", default=None, help="OPUS-100 release folder (the one holding opus-100-corpus, "
                    "or it, its v1.0, or supervised)")
+    h = p.add_argument_group("hf-parquet (Hugging Face Hub layout, e.g. OPUS-100 from the Hub)")
+    h.add_argument("--input", default=None, help="folder with one <l1>-<l2> subfolder per language pair holding "
+                   "<split>-*.parquet files (train, validation, test) with a 'translation' column "
+                   "{l1: sentence, l2: sentence}; read with pyarrow in row batches")
     m = p.add_argument_group("moses / tsv (line-aligned files)")
     m.add_argument("--src-lang", default=None, help="source language code (moses, tsv)")
     m.add_argument("--tgt-lang", default=None, help="target language code (moses, tsv)")
@@ -43,7 +48,7 @@ def add_prepare_arguments(p) -> None:
                    "--langs then lists the languages to keep (default: every code in the files)")
     m.add_argument("--valid-tsv", default=None, help="tsv valid file")
     m.add_argument("--test-tsv", default=None, help="tsv test file")
-    f = p.add_argument_group("line-aligned sources (opus100, moses, tsv): filters and parallelism")
+    f = p.add_argument_group("line-aligned sources (opus100, hf-parquet, moses, tsv): filters and parallelism")
     f.add_argument("--max-bytes", type=int, default=800, help="drop pairs with a side longer than this (bytes; 800)")
     f.add_argument("--max-ratio", type=float, default=None, help="drop pairs whose longer/shorter byte ratio "
                    "exceeds this (off by default)")
@@ -54,7 +59,7 @@ def add_prepare_arguments(p) -> None:
     f.add_argument("--resume", action="store_true", help="continue an interrupted prepare in --out: complete shards "
                    "(checksum) are kept, the rest redone")
     f.add_argument("--shard-lines", type=int, default=_SHARD_LINES,
-                   help=f"input lines per shard (default {_SHARD_LINES:,})")
+                   help=f"input lines (Parquet: rows) per shard (default {_SHARD_LINES:,})")
     f.add_argument("--block-size", type=int, default=_BLOCK_SIZE,
                    help=f"examples per block (default {_BLOCK_SIZE})")
     add_spm_arguments(p.add_argument_group("subword baseline (SentencePiece BPE trained on the train split)"),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel import ParallelContext, build_parallel_context
 
 
 @dataclass
@@ -35,6 +36,14 @@ class Engine(ABC):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def parallel_context(self, ep_size: int = 1) -> ParallelContext:
+        """This rank's expert-parallel context for the model builder (``moe.ep_size``), built once per
+        ep_size; creating the groups is collective when ep_size > 1 (call it on every rank)."""
+        cache = self.__dict__.setdefault("_parallel_contexts", {})
+        if ep_size not in cache:
+            cache[ep_size] = build_parallel_context(ep_size, self.world_size, self.rank)
+        return cache[ep_size]
 
     @abstractmethod
     def setup(self, model: torch.nn.Module) -> None:

@@ -21,14 +21,27 @@ def inverse_sqrt_factor(lr: float, warmup: int, warmup_init_lr: float):
     return f
 
 
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """The optimizer's parameter groups: every trainable parameter in one group, except expert
+    parameters (marked ``p.expert = True``, see scaletrain.models.moe), which get a group of their own
+    named "experts" (their gradients are reduced over another process group under expert parallelism)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    experts = [p for p in params if getattr(p, "expert", False)]
+    if not experts:
+        return [{"params": params}]
+    dense = [p for p in params if not getattr(p, "expert", False)]
+    return [{"params": dense, "name": "dense"}, {"params": experts, "name": "experts"}]
+
+
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     o = cfg.optim
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups(model)
+    params = [p for g in groups for p in g["params"]]
     kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     if getattr(o, "fused", True) and fusable:
-        return torch.optim.AdamW(params, fused=True, **kw)
-    return torch.optim.AdamW(params, **kw)
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    return torch.optim.AdamW(groups, **kw)
 
 
 def build_scheduler(optimizer, cfg):

@@ -67,6 +67,9 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
         "checkpoint": str(ckpt), "split": split, "shards": str(shards), "beam": beam, "lenpen": lenpen,
         "lines": len(examples), "decode_seconds": secs, "sentences_per_s": len(examples) / max(secs, 1e-9),
         "step": trainer_state.get("step"), "run_id": trainer_state.get("run_id"),
+        "tracking": {"uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment},
+        # (src_lang, tgt_lang, source, reference, hypothesis) per line, in split order (write_hypotheses)
+        "records": [(r.src_lang, r.tgt_lang, s, r.reference, r.hypothesis) for r, s in zip(records, srcs)],
         "report": report, "baseline": baseline,
         "samples": [
             {"direction": f"{r.src_lang}->{r.tgt_lang}", "source": s, "reference": r.reference, "hypothesis": r.hypothesis}
@@ -75,20 +78,52 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
     }
 
 
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The training run directory of a checkpoint (``RUN/checkpoints/step-N`` -> ``RUN``)."""
+    ckpt = Path(checkpoint)
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def _line(text: str) -> str:
+    return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
+def write_hypotheses(result: dict, out_dir: str | Path) -> list[Path]:
+    """``out_dir/{src,ref,hyp}.<src>-<tgt>.txt`` per direction: line-aligned plain text (line breaks inside
+    a sentence become spaces, which neither BLEU's tokenizers nor chrF count), so sacrebleu or any other
+    scorer can be run on them. Returns the files written."""
+    from scaletrain.fileio import atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    by_dir: dict[str, list] = {}
+    for s, t, src, ref, hyp in result["records"]:
+        by_dir.setdefault(f"{s}-{t}", []).append((src, ref, hyp))
+    written = []
+    for d, rows in sorted(by_dir.items()):
+        for i, kind in enumerate(("src", "ref", "hyp")):
+            f = out / f"{kind}.{d}.txt"
+            atomic_write_text(f, "".join(_line(r[i]) + "\n" for r in rows))
+            written.append(f)
+    return written
+
+
 def result_to_json(result: dict) -> dict:
-    out = {k: v for k, v in result.items() if k not in ("report", "baseline")}
+    out = {k: v for k, v in result.items() if k not in ("report", "baseline", "records")}
     out["model"] = report_to_json(result["report"])
     out["copy_baseline"] = report_to_json(result["baseline"])
     return out
 
 
-def log_to_mlflow(result: dict) -> None:
+def log_to_mlflow(result: dict, hyp_dir: str | Path | None = None) -> None:
     run_id = result.get("run_id")
     if not run_id:
         return
     from scaletrain.tracking import Tracker
 
-    tr = Tracker(uri=None, experiment="scaletrain", run_name=None, is_main=True, project_dir=Path.cwd())
+    t = result.get("tracking") or {}  # the recipe's tracking settings, as the training run used them
+    tr = Tracker(uri=t.get("uri") or None, experiment=t.get("experiment") or "scaletrain", run_name=None,
+                 is_main=True, project_dir=Path.cwd())
     tr.resume(run_id)
     split = result["split"]
     metrics = {}
@@ -105,4 +140,6 @@ def log_to_mlflow(result: dict) -> None:
             metrics[f"{split}/copy_baseline/chrf"] = a.chrf
     tr.log_metrics(metrics, step=int(result.get("step") or 0))
     tr.log_dict(result_to_json(result), f"eval_{split}.json")
+    if hyp_dir is not None and Path(hyp_dir).is_dir():
+        tr.log_artifact(hyp_dir, f"eval/{split}")
     tr.end("FINISHED")

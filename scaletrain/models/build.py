@@ -5,26 +5,40 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from scaletrain.errors import ScaletrainError
+
 from scaletrain.models import convattn as _convattn  # noqa: F401  (registers msc, msha, moce)
 from scaletrain.models import lobef as _lobef  # noqa: F401  (registers byte_ncf, byte_wsf)
-from scaletrain.models.config import ModelConfig
+from scaletrain.models.config import ModelConfig, MoEConfig
 from scaletrain.models.embeddings import make_embeddings
+from scaletrain.models.moe import moe_ffn_factory
 from scaletrain.models.registry import builder, register_model
 from scaletrain.models.transformer import Transformer
+from scaletrain.parallel import ParallelContext
 
 
 @register_model("transformer")
-def build_transformer(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str]] = None) -> Transformer:
-    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size, pieces))
+def build_transformer(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str]] = None, ffn=None) -> Transformer:
+    return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size, pieces), ffn=ffn)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str]] = None) -> nn.Module:
+def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str]] = None,
+                moe: Optional[MoEConfig] = None, parallel: Optional[ParallelContext] = None) -> nn.Module:
     """Validate ``cfg`` and build the architecture registered under ``cfg.arch``.
 
     ``pieces``: the surface string of every id ('' for specials and language tags), required by
     ``embedding=charaware`` (the SentencePiece vocabulary provides it) and ignored otherwise.
     Everything the model needs comes from the arguments: ``model.kernels`` is stored on its modules,
-    so models built with different configs do not affect each other."""
+    so models built with different configs do not affect each other.
+
+    ``moe``: the run's ``moe`` section (sparse MoE feed-forward layers, ``scaletrain.models.moe``;
+    None or ``num_experts: 0`` = the dense model); ``parallel``: this rank's ``ParallelContext``
+    (which experts it holds; None = a single process holding every expert)."""
     build = builder(cfg.arch)
     cfg.validate(vocab_size)
-    return build(cfg, vocab_size, pieces)
+    if moe is None or not moe.enabled():
+        return build(cfg, vocab_size, pieces)
+    moe.validate(cfg)
+    if parallel is not None and parallel.ep_size != moe.ep_size:
+        raise ScaletrainError(f"moe.ep_size={moe.ep_size} but the parallel context has ep_size {parallel.ep_size}")
+    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel))

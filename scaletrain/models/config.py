@@ -298,3 +298,59 @@ class ModelConfig:
         for key in ("pre_ln", "share_embeddings", "scale_embeddings", "encoder_input_dropout",
                     "decoder_input_dropout", "decoder_last_layer_dropout"):
             _check_bool(key, getattr(self, key))
+
+
+# ---------------------------------------------------------------------------------------
+# the top-level moe section (sparse MoE feed-forward layers and expert parallelism)
+# ---------------------------------------------------------------------------------------
+@dataclass
+class MoEConfig:
+    """``moe:`` (a top-level section of the run config, beside ``model``): sparse MoE feed-forward
+    layers (scaletrain.models.moe) and how their experts are spread over ranks. ``num_experts: 0``
+    (the default) = no MoE layer, the dense model is unchanged."""
+
+    num_experts: int = 0  # experts per MoE layer; 0 = off
+    top_k: int = 2  # experts per token (token choice)
+    every: int = 2  # every N-th feed-forward block of the encoder and of the decoder is MoE (1-based: N, 2N, ...)
+    ffn_dim: int = 0  # hidden size of each expert; 0 = model.ffn_dim
+    capacity_factor: float = 0.0  # 0 = dropless; c > 0: each expert takes at most ceil(c * tokens * top_k / E) pairs per rank
+    aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
+    shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
+    ep_size: int = 1  # expert-parallel group size: each MoE layer's experts are split over this many ranks
+
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether encoder/decoder layer ``index`` (0-based) gets a MoE feed-forward block."""
+        return self.enabled() and (index + 1) % self.every == 0
+
+    def expert_ffn_dim(self, model: ModelConfig) -> int:
+        return self.ffn_dim or model.ffn_dim
+
+    def validate(self, model: ModelConfig) -> None:
+        def bad(key: str, msg: str) -> None:
+            raise ScaletrainError(f"moe.{key}: {msg}")
+
+        for key, low in (("num_experts", 0), ("top_k", 1), ("every", 1), ("ffn_dim", 0), ("ep_size", 1)):
+            v = getattr(self, key)
+            if not _is_int(v) or v < low:
+                bad(key, f"must be an integer >= {low}, got {v!r}")
+        for key in ("capacity_factor", "aux_loss_coef"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                bad(key, f"must be a number >= 0, got {v!r}")
+        if not isinstance(self.shared_expert, bool):
+            bad("shared_expert", f"must be true or false, got {self.shared_expert!r}")
+        if not self.enabled():
+            if self.ep_size > 1:
+                bad("ep_size", f"is {self.ep_size} but moe.num_experts is 0: there are no experts to split "
+                    "(expert-parallel MoCE is not implemented yet)")
+            return
+        if self.top_k > self.num_experts:
+            bad("top_k", f"{self.top_k} is more than moe.num_experts={self.num_experts}")
+        if self.num_experts % self.ep_size:
+            bad("num_experts", f"{self.num_experts} experts cannot be split evenly over moe.ep_size={self.ep_size} ranks")
+        if self.every > max(model.encoder_layers, model.decoder_layers):
+            bad("every", f"{self.every} is more than the number of layers "
+                f"({model.encoder_layers} encoder, {model.decoder_layers} decoder): no layer would be MoE")

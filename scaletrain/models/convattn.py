@@ -334,7 +334,7 @@ class AdaMSHAAttention(SelfAttention):
 # ---------------------------------------------------------------------------------------
 # builders
 # ---------------------------------------------------------------------------------------
-def _build(cfg: ModelConfig, vocab_size: int, pieces, make_attn) -> Transformer:
+def _build(cfg: ModelConfig, vocab_size: int, pieces, make_attn, ffn=None) -> Transformer:
     """The Transformer with ``make_attn()`` as self-attention of the encoder layers ``model.conv.layers``."""
     layers = set(cfg.conv.layers)
 
@@ -342,19 +342,19 @@ def _build(cfg: ModelConfig, vocab_size: int, pieces, make_attn) -> Transformer:
         return make_attn() if i in layers else None
 
     embeddings = make_embeddings(cfg, vocab_size, pieces)
-    return Transformer(cfg, vocab_size, embeddings=embeddings, encoder_self_attn=factory)
+    return Transformer(cfg, vocab_size, embeddings=embeddings, encoder_self_attn=factory, ffn=ffn)
 
 
 @register_model("msc")
-def build_msc(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
-    return _build(cfg, vocab_size, pieces, lambda: MSCAttention(cfg))
+def build_msc(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+    return _build(cfg, vocab_size, pieces, lambda: MSCAttention(cfg), ffn)
 
 
 @register_model("msha")
-def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
-    return _build(cfg, vocab_size, pieces, lambda: MSHAAttention(cfg))
+def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+    return _build(cfg, vocab_size, pieces, lambda: MSHAAttention(cfg), ffn)
 
 
 @register_model("moce")
-def build_moce(cfg: ModelConfig, vocab_size: int, pieces=None) -> Transformer:
-    return _build(cfg, vocab_size, pieces, lambda: AdaMSHAAttention(cfg, vocab_size))
+def build_moce(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+    return _build(cfg, vocab_size, pieces, lambda: AdaMSHAAttention(cfg, vocab_size), ffn)

@@ -9,7 +9,8 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import ModelConfig
 
 # (config, vocabulary size, the surface string of every id or None) -> model; the config is
-# validated before the builder runs (ModelConfig.validate)
+# validated before the builder runs (ModelConfig.validate); builders also take ``ffn=`` (the
+# feed-forward factory of ``Transformer``, given only when MoE layers are on)
 Builder = Callable[[ModelConfig, int, Optional[Sequence[str]]], nn.Module]
 _REGISTRY: dict[str, Builder] = {}
 

@@ -11,7 +11,8 @@ from scaletrain.models.counting import count_parameters, estimate_flops_per_toke
 _COMPONENT_ORDER = ("embeddings", "frontend", "encoder", "decoder")
 
 
-def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len: int = 100, pieces=None) -> dict:
+def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len: int = 100, pieces=None,
+                  moe=None) -> dict:
     """Build the model on the meta device (no memory, no init cost) and report its size and compute.
 
     Returns ``{"arch", "vocab_size", "components": [(name, params)], "variant", "total", "trainable",
@@ -23,8 +24,9 @@ def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len
     from scaletrain.models.build import build_model
 
     with torch.device("meta"):
-        model = build_model(cfg, vocab_size, pieces=pieces)
+        model = build_model(cfg, vocab_size, pieces=pieces, moe=moe)
     counts = count_parameters(model)
+    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
     names = [k for k in _COMPONENT_ORDER] + sorted(
         k for k in counts if k not in _COMPONENT_ORDER and k not in ("variant", "total", "trainable")
     )
@@ -33,6 +35,7 @@ def model_summary(cfg: ModelConfig, vocab_size: int, src_len: int = 100, tgt_len
         "vocab_size": vocab_size,
         "components": [(k, counts[k]) for k in names],
         "variant": counts["variant"],
+        "experts": experts,  # MoE expert parameters (all experts of every MoE layer), part of the total
         "total": counts["total"],
         "trainable": counts["trainable"],
         "flops_per_token": estimate_flops_per_token(cfg, src_len, tgt_len, vocab_size),
@@ -53,10 +56,14 @@ def format_summary(s: dict, title: str = "") -> str:
     if s["variant"]:
         lines.append(f"{'  incl. variant':<22}{s['variant']:>14,}{100 * s['variant'] / total:>8.2f}%")
     lines.append(f"{'total':<22}{s['total']:>14,}  ({s['total'] / 1e6:.2f}M)")
+    if s.get("experts"):
+        lines.append(f"{'  incl. MoE experts':<22}{s['experts']:>14,}{100 * s['experts'] / total:>8.2f}%")
     if s["trainable"] != s["total"]:
         lines.append(f"{'trainable':<22}{s['trainable']:>14,}")
     lines.append(
         f"training FLOPs per target token (fwd+bwd, src {s['src_len']} / tgt {s['tgt_len']} tokens): "
         f"{s['flops_per_token']:.4g} ({s['flops_per_token'] / 1e9:.3f} GFLOP)"
     )
+    if s.get("experts"):
+        lines.append("(the FLOPs estimate counts the dense feed-forward size: MoE layers are not modelled yet)")
     return "\n".join(lines)

@@ -18,6 +18,11 @@ Plug-in points (variants use these instead of forking the core):
   encoder layers (e.g. byte layers + n-gram fusion replacing the first L layers).
 - ``encoder_self_attn``: a factory ``(layer_index) -> nn.Module`` building each encoder layer's
   self-attention; the module is called as ``attn(x, ctx, attn_mask)`` (see ``SelfAttention``).
+- ``ffn``: a factory ``(side, layer_index) -> nn.Module | None`` ("encoder" | "decoder") for the
+  feed-forward block of each layer, None = the dense ``FeedForward`` (MoE: ``scaletrain.models.moe``).
+  A block with ``takes_pad_mask = True`` is called as ``ffn(h, pad_mask)`` (encoder: the source pads;
+  decoder: the pad positions of the decoder input); a block
+  that keeps a tensor in ``aux_loss`` during forward adds it to ``Transformer.last_aux_loss``.
 """
 from __future__ import annotations
 
@@ -266,30 +271,38 @@ class _Residual(nn.Module):
         return self.norm(kernels.residual_dropout(x, fn(x), self.dropout, self.training, self.kernel_mode))
 
 
+def _feed_forward(cfg: ModelConfig, ffn: Optional[nn.Module]) -> nn.Module:
+    if ffn is not None:
+        return ffn
+    return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, cfg.kernels)
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, self_attn: Optional[nn.Module] = None):
+    def __init__(self, cfg: ModelConfig, self_attn: Optional[nn.Module] = None, ffn: Optional[nn.Module] = None):
         super().__init__()
         d, mode = cfg.d_model, cfg.kernels
         if self_attn is None:
             self_attn = SelfAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
         self.self_attn = self_attn
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, mode)
+        self.ffn = _feed_forward(cfg, ffn)
         self.attn_res = _Residual(d, cfg.pre_ln, cfg.dropout, mode)
         self.ffn_res = _Residual(d, cfg.pre_ln, cfg.dropout, mode)
 
     def forward(self, x, ctx: EncoderContext, attn_mask: Optional[torch.Tensor] = None):
         x = self.attn_res(x, lambda h: self.self_attn(h, ctx, attn_mask))
+        if getattr(self.ffn, "takes_pad_mask", False):  # MoE: pads are not routed
+            return self.ffn_res(x, lambda h: self.ffn(h, ctx.pad_mask))
         return self.ffn_res(x, self.ffn)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dropout: Optional[float] = None):
+    def __init__(self, cfg: ModelConfig, dropout: Optional[float] = None, ffn: Optional[nn.Module] = None):
         super().__init__()
         d, mode = cfg.d_model, cfg.kernels
         p = cfg.dropout if dropout is None else dropout
         self.self_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
         self.cross_attn = MultiheadAttention(d, cfg.n_heads, cfg.attention_dropout, mode)
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, mode)
+        self.ffn = _feed_forward(cfg, ffn)
         self.self_res = _Residual(d, cfg.pre_ln, p, mode)
         self.cross_res = _Residual(d, cfg.pre_ln, p, mode)
         self.ffn_res = _Residual(d, cfg.pre_ln, p, mode)
@@ -324,9 +337,13 @@ class DecoderLayer(nn.Module):
                 layer_cache["ck"], layer_cache["cv"] = k, v
         return a.attend(q, k, v, key_mask)
 
-    def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None):
+    def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None,
+                pad_mask: Optional[torch.Tensor] = None):
+        """``pad_mask`` [B, T] (True = pad decoder input) is handed to a feed-forward block that takes it."""
         x = self.self_res(x, lambda h: self._self(h, layer_cache))
         x = self.cross_res(x, lambda h: self._cross(h, enc, key_mask, layer_cache))
+        if pad_mask is not None and getattr(self.ffn, "takes_pad_mask", False):  # MoE: pads are not routed
+            return self.ffn_res(x, lambda h: self.ffn(h, pad_mask))
         return self.ffn_res(x, self.ffn)
 
 
@@ -369,6 +386,7 @@ class Transformer(nn.Module):
         frontend: Optional[nn.Module] = None,
         encoder_self_attn: Optional[Callable[[int], nn.Module]] = None,
         n_encoder_layers: Optional[int] = None,
+        ffn: Optional[Callable[[str, int], Optional[nn.Module]]] = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -382,10 +400,12 @@ class Transformer(nn.Module):
         self.positions = SinusoidalPositions(d, cfg.max_positions)
         self.frontend = frontend
         n_enc = cfg.encoder_layers if n_encoder_layers is None else n_encoder_layers
+        ffn = ffn or (lambda side, i: None)
         self.encoder_layers = nn.ModuleList(
-            EncoderLayer(cfg, encoder_self_attn(i) if encoder_self_attn is not None else None) for i in range(n_enc)
+            EncoderLayer(cfg, encoder_self_attn(i) if encoder_self_attn is not None else None, ffn("encoder", i))
+            for i in range(n_enc)
         )
-        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, ffn=ffn("decoder", i)) for i in range(cfg.decoder_layers))
         if not cfg.decoder_last_layer_dropout and cfg.decoder_layers > 0:
             self.decoder_layers[-1].set_residual_dropout(0.0)
         # pre-LN stacks end with a LayerNorm (fairseq normalize_before); post-LN ones do not
@@ -432,13 +452,22 @@ class Transformer(nn.Module):
         self._check_tokens(tgt_in, "tgt_in")
         x = self._decoder_input(tgt_in, self.positions(tgt_in))
         key_mask = (~enc.pad_mask)[:, None, None, :]
+        pad_mask = tgt_in.eq(PAD)
         for layer in self.decoder_layers:
-            x = layer(x, enc, key_mask)
+            x = layer(x, enc, key_mask, None, pad_mask)
         return self._decoder_output(x)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         self.last_aux_loss = None
-        return self.decode(tgt_in, self.encode(src))
+        logits = self.decode(tgt_in, self.encode(src))
+        self.last_aux_loss = self.collect_aux_loss()
+        return logits
+
+    def collect_aux_loss(self) -> Optional[torch.Tensor]:
+        """Sum of the auxiliary losses (e.g. MoE load balancing, coefficient applied) that plug-ins
+        kept in ``aux_loss`` during the last forward; None for a model without any."""
+        losses = [m.aux_loss for m in self.modules() if m is not self and getattr(m, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else None
 
     # ---- incremental decoding ------------------------------------------------------------
     def decode_step(
@@ -451,8 +480,9 @@ class Transformer(nn.Module):
             cache = DecoderCache([{} for _ in self.decoder_layers])
         x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
         key_mask = (~enc.pad_mask)[:, None, None, :]
+        pad_mask = tokens.eq(PAD)[:, None]
         for layer, lc in zip(self.decoder_layers, cache.layers):
-            x = layer(x, enc, key_mask, lc)
+            x = layer(x, enc, key_mask, lc, pad_mask)
         return self._decoder_output(x)[:, 0], cache
 
     def routing_stats(self, reset: bool = True) -> dict:

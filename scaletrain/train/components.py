@@ -1,7 +1,9 @@
 """Components of the training loop; each decides its own timing and owns its state (torchtitan).
 
-* :class:`StepLogger` - train loss/nll, LR, grad norm, throughput, ETA and routing statistics every
-  ``train.log_every`` updates (one log line on rank 0, metrics to the tracker).
+* :class:`StepLogger` - train loss/nll, LR, grad norm, throughput (target tokens/s, source+target tokens/s,
+  bytes/s for the byte tokenizer), data-loader wait per step, peak memory (CUDA max allocated, or the
+  process's peak RSS), ETA and routing statistics every ``train.log_every`` updates (one log line on rank
+  0, metrics to the tracker).
 * :class:`Evaluator` - validation loss every ``train.valid_every`` updates and BLEU/chrF on the fixed
   validation subset every ``train.bleu_every`` updates.
 * :class:`EarlyStopper` - best checkpoint on ``train.best_metric`` and early stopping after
@@ -35,8 +37,9 @@ class StepLogger:
     """Accumulates each update's sums and reports every ``log_every`` updates (and at ``max_steps``)."""
 
     def __init__(self, tc, engine, unit: TranslationUnit, state: TrainState, clock: TrainClock, budget: TimeBudget,
-                 tracker):
+                 tracker, byte_level: bool = False):
         self.tc, self.engine, self.unit, self.state = tc, engine, unit, state
+        self.byte_level = byte_level  # tokens are bytes: bytes/s = (source + target tokens)/s
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
         self.last_routing: dict[str, float] = {}
@@ -44,11 +47,16 @@ class StepLogger:
 
     def start(self) -> None:
         self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = 0
+        self._ntok = self._tok = self._skipped = self._src = self._steps = 0
+        self._wait = 0.0
         self._t_log = time.time()
         self._steps_at_start = self.state.step
 
-    def after_step(self, out: StepOutput) -> None:
+    def after_step(self, out: StepOutput, data_wait: float = 0.0) -> None:
+        """``data_wait``: seconds this step waited for its batches (the data loader)."""
+        self._wait += data_wait
+        self._steps += 1
+        self._src += out.global_src_tokens
         self._loss += out.loss_sum
         self._nll += out.nll_sum
         self._ntok += out.ntok
@@ -65,12 +73,19 @@ class StepLogger:
     def _report(self, out: StepOutput) -> None:
         eng, st, info = self.engine, self.state, out.info
         l, nl, nt = eng.all_reduce_sum([self._loss, self._nll, self._ntok])
-        tps = self._tok / max(time.time() - self._t_log, 1e-9)
+        elapsed = max(time.time() - self._t_log, 1e-9)
+        tps = self._tok / elapsed
         metrics = {
             "train/loss": l / max(nt, 1), "train/nll": nl / max(nt, 1), "train/lr": info.lr,
             "train/grad_norm": info.grad_norm, "train/tokens_per_s": tps,
+            "train/src_tgt_tokens_per_s": (self._tok + self._src) / elapsed,
             "train/tokens_seen": st.tokens_seen, "train/skipped_steps": float(st.skipped_steps),
+            "train/data_wait_s": self._wait / max(self._steps, 1),  # per step, this rank
+            "train/data_wait_frac": self._wait / elapsed,
+            **peak_memory(eng.device),
         }
+        if self.byte_level:
+            metrics["train/bytes_per_s"] = metrics["train/src_tgt_tokens_per_s"]
         self.loss_history.append((st.step, metrics["train/loss"]))
         if eng.is_main:
             skipped = (f" | skipped {self._skipped} (fp16 overflow; {st.skipped_steps} in all)"
@@ -84,8 +99,23 @@ class StepLogger:
         if eng.is_main and routing:
             self.tracker.log_metrics(routing, step=st.step)
         self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = 0
+        self._ntok = self._tok = self._skipped = self._src = self._steps = 0
+        self._wait = 0.0
         self._t_log = time.time()
+
+
+def peak_memory(device) -> dict[str, float]:
+    """``sys/cuda_max_allocated_mb`` on a CUDA device, else ``sys/max_rss_mb`` (this process's peak RSS)."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda" and torch.cuda.is_available():
+        return {"sys/cuda_max_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    try:
+        import resource
+
+        return {"sys/max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+    except Exception:  # pragma: no cover - no resource module
+        return {}
 
 
 class Evaluator:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,14 +84,17 @@ class Trainer:
                                       on_save_error=tc.on_save_error)
         self.tracker = self._make_tracker()
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
-        self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker)
+        self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
+                                 byte_level=cfg.data.tokenizer == "byte")
         self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.preempted = False
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces())
+        moe = self.cfg.moe
+        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=moe,
+                           parallel=self.engine.parallel_context(moe.ep_size))
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -110,7 +114,9 @@ class Trainer:
         self.clock.start()
         self.logger.start()
         while st.step < self.cfg.train.max_steps:
+            t_wait = time.perf_counter()
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
+            data_wait = time.perf_counter() - t_wait
             out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded(),
                              preempt_vote=self.preemption.requested)
             if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
@@ -121,7 +127,7 @@ class Trainer:
             st.tokens_seen += out.global_tokens
             st.examples_seen += out.examples
             self.clock.tick()
-            self.logger.after_step(out)
+            self.logger.after_step(out, data_wait)
             decision = self.stopper.update(self.evaluator.after_step())
             saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save)
             self.stopper.keep(saved, decision)
@@ -144,12 +150,28 @@ class Trainer:
                 {"step": st.step, "checkpoint": str(final), "signal": self.preemption.signal_name}))
         if self.engine.is_main:
             self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
-            self.tracker.flush()
+            self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
+            self._plot()
         return TrainResult(
             steps=st.step, tokens=st.tokens_seen, valid_nll=list(st.valid_history),
             train_loss=list(self.logger.loss_history), unigram_nll=baseline, train_seconds=st.train_seconds,
             run_id=st.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final), preempted=self.preempted,
         )
+
+    def _plot(self) -> None:
+        """Learning curves of the whole job (from the tracking journal) as a PNG in ``out_dir/plots`` and
+        an artifact; a plotting failure is a warning, never a failed training."""
+        if not self.cfg.tracking.enabled:
+            return
+        try:
+            from scaletrain.plots import plot_learning_curves
+
+            png = plot_learning_curves(self.out_dir, title=f"{self.cfg.name} ({self.state.run_id or 'no run'})")
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not plot the learning curves: %s", e)
+            return
+        if png is not None:
+            self.tracker.log_artifact(png, "plots")
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:
@@ -178,7 +200,8 @@ class Trainer:
 
         t, eng = self.cfg.tracking, self.engine
         return Tracker(uri=t.uri or None, experiment=t.experiment, run_name=t.run_name or self.cfg.name,
-                       is_main=eng.is_main and t.enabled, project_dir=Path.cwd())
+                       is_main=eng.is_main and t.enabled, project_dir=Path.cwd(),
+                       local_dir=Path(self.out_dir) / "tracking", end_timeout=t.end_timeout)
 
     def _start_tracking(self) -> None:
         from scaletrain.tracking import broadcast_run_id
@@ -192,9 +215,26 @@ class Trainer:
                 params = flatten(to_dict(cfg))
                 params.update({"world_size": eng.world_size, "vocab_size": self.vocab.size})
                 params.update({f"params.{k}": v for k, v in self.param_counts.items()})
-                run_id = self.tracker.start(params, tags={"recipe": cfg.name})
+                run_id = self.tracker.start(params, tags=run_tags(cfg, eng, self.manifest))
                 self.tracker.log_text(dump_yaml(cfg), "config.yaml")
+                self._log_setup_artifacts()
         self.state.run_id = broadcast_run_id(run_id, eng.is_main)
+
+    def _log_setup_artifacts(self) -> None:
+        """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
+        settings) and the shard manifest."""
+        cfg, eng = self.cfg, self.engine
+        ds_config = getattr(eng, "ds_config", None)
+        if isinstance(ds_config, dict):
+            self.tracker.log_dict(ds_config, "engine/ds_config.json")
+        if cfg.engine.backend == "accelerate":
+            self.tracker.log_dict({"accelerate": cfg.engine.accelerate, "mixed_precision": cfg.engine.precision,
+                                   "gradient_accumulation_steps": cfg.engine.grad_accum,
+                                   "num_processes": eng.world_size, "zero_stage": getattr(eng, "zero_stage", 0)},
+                                  "engine/accelerate.yaml")
+        manifest = Path(cfg.data.shards) / "manifest.json"
+        if manifest.is_file():
+            self.tracker.log_artifact(manifest, "data")
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
@@ -210,6 +250,55 @@ class Trainer:
     def close(self, status: str = "FINISHED") -> None:
         self.preemption.uninstall()
         self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
+
+
+def _git_commit(where: Path) -> str | None:
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def run_tags(cfg: Config, engine: Engine, manifest) -> dict[str, str]:
+    """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions)."""
+    import importlib.metadata as md
+    import os
+
+    import scaletrain
+    from scaletrain.fileio import sha256_bytes
+
+    m, e = cfg.model, cfg.engine
+    world = engine.world_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    tags: dict[str, object] = {
+        "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
+        "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
+        "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
+        "nodes": max(1, world // max(local, 1)), "tokenizer": cfg.data.tokenizer,
+    }
+    if m.arch == "moce":
+        tags["moce.delta"] = len(m.conv.kernels) - 1  # experts = kernels {0, 1, 3, ..., 2Δ-1}, E = Δ + 1
+        tags["moce.lid"] = m.moce.lid
+        tags["moce.top_k"] = m.moce.top_k
+    shards = Path(cfg.data.shards)
+    src = manifest.source if isinstance(manifest.source, dict) else {}
+    tags["corpus"] = src.get("name") or src.get("package") or shards.resolve().name
+    if (shards / "manifest.json").is_file():
+        tags["corpus.manifest_sha256"] = sha256_bytes((shards / "manifest.json").read_bytes())
+    commit = _git_commit(Path.cwd())
+    if commit:
+        tags["git_commit"] = commit
+    tags["version.scaletrain"] = scaletrain.__version__
+    tags["version.torch"] = torch.__version__
+    for pkg in ("deepspeed", "accelerate", "mlflow"):
+        try:
+            tags[f"version.{pkg}"] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return {k: str(v) for k, v in tags.items()}
 
 
 def train(cfg: Config) -> TrainResult:

@@ -20,13 +20,23 @@ class TranslationUnit:
         self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
 
     def loss(self, batch):
-        """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device."""
+        """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
+
+        A model with auxiliary losses (MoE load balancing: ``last_aux_loss``, a per-batch mean with its
+        coefficient applied) adds aux * target tokens to the loss sum, so that after ``train_step``'s
+        normalisation it enters as the token-weighted mean over the step's batches (all ranks)."""
         logits = self.engine.forward(batch.src, batch.tgt_in)
-        return label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing, ignore_index=self.pad)
+        loss_sum, nll_sum, ntok = label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing,
+                                                    ignore_index=self.pad)
+        aux = getattr(self.engine.module, "last_aux_loss", None)
+        if aux is not None:
+            loss_sum = loss_sum + aux.to(loss_sum.dtype) * ntok
+        return loss_sum, nll_sum, ntok
 
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
-        return routing_metrics(self.engine.module, self.langs, reset=reset)
+        # MoE counts are summed over the ranks (collective: every rank calls this at the same points)
+        return routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
 
 
 @dataclass
@@ -37,6 +47,7 @@ class StepOutput:
     nll_sum: float
     ntok: int
     examples: int
+    global_src_tokens: int = 0  # source tokens of the step, all ranks (throughput)
 
 
 @dataclass
@@ -56,7 +67,9 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     over ranks and accumulation steps, the gradient is d(sum of losses)/d(theta) / (global target tokens).
     """
     local_tok = sum(b.n_tgt_tokens for b in micro)
-    g_tok, g_stop, g_preempt = engine.all_reduce_sum([local_tok, float(stop_vote), float(preempt_vote)])
+    local_src = sum(b.n_src_tokens for b in micro)
+    g_tok, g_stop, g_src, g_preempt = engine.all_reduce_sum([local_tok, float(stop_vote), local_src,
+                                                            float(preempt_vote)])
     if g_stop > 0 or g_preempt > 0:
         return StopVote(preempted=g_preempt > 0)
     scale = engine.world_size * len(micro) / g_tok
@@ -70,7 +83,7 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
         nll_acc += float(nll_sum.detach())
         ntok_acc += int(ntok)
         examples += b.size
-    return StepOutput(engine.step(), int(g_tok), loss_acc, nll_acc, ntok_acc, examples)
+    return StepOutput(engine.step(), int(g_tok), loss_acc, nll_acc, ntok_acc, examples, int(g_src))
 
 
 @torch.no_grad()

@@ -168,7 +168,7 @@ def run_job(out: Path, shards: str, job: dict) -> None:
     probe = fixed_batches(shards, 1, max_tokens=600, max_bytes=40)[0]
     from scaletrain.models import build_model
 
-    probe_model = build_model(cfg.model, trainer.vocab.size)
+    probe_model = build_model(cfg.model, trainer.vocab.size, moe=cfg.moe)
     probe_model.load_state_dict(params)
     result = {
         **res.__dict__, "world_size": eng.world_size, "rank": eng.rank, "engine": type(eng).__name__,

@@ -98,8 +98,8 @@ def test_metrics_are_flushed_in_batches(tmp_path, template_db):
     tr.log_metrics({"a": 1, "b": 2}, step=0)
     tr.log_metrics({"a": 1, "b": 2}, step=1)
     assert tr.pending == 4
-    tr.log_metrics({"a": 3, "b": 4}, step=2)  # reaches 6 >= 5 -> written
-    assert tr.pending == 0
+    tr.log_metrics({"a": 3, "b": 4}, step=2)  # reaches 6 >= 5 -> handed to the sender
+    assert tr.flush(timeout=60) and tr.pending == 0
     c = MlflowClient(tracking_uri=db_uri(tmp_path))
     assert len(c.get_metric_history(rid, "a")) == 3
     # more than MLflow's 1000-per-request limit in one flush
@@ -112,7 +112,7 @@ def test_metrics_are_flushed_in_batches(tmp_path, template_db):
     tr2 = T.Tracker(None, "exp", None, True, tmp_path, flush_every=10_000, flush_secs=0.0)
     rid2 = tr2.start()
     tr2.log_metrics({"x": 1.0}, step=0)
-    assert tr2.pending == 0 and c.get_run(rid2).data.metrics["x"] == 1.0
+    assert tr2._sender.wait(timeout=60) and tr2.pending == 0 and c.get_run(rid2).data.metrics["x"] == 1.0
     with pytest.raises(ScaletrainError, match="non-numeric"):
         tr2.log_metrics({"x": "abc"}, step=1)
     tr2.end()

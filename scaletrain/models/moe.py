@@ -1,0 +1,234 @@
+"""Sparse mixture-of-experts feed-forward blocks (the top-level ``moe`` config section).
+
+A ``MoEFeedForward`` replaces the dense feed-forward block of every ``moe.every``-th encoder and
+decoder layer (``moe_ffn_factory``). Per token (a row of the flattened [B*T, D] input):
+
+1. Router, in fp32 whatever the training precision: probabilities p = softmax(x W_r) over the E
+   experts; the token picks its top-k experts (token choice, k = ``moe.top_k``). Combine weights:
+   the top-k probabilities renormalised to sum to 1 when k > 1 (GShard), the raw probability when
+   k = 1 (Switch; otherwise the router would get no gradient from the output).
+2. Capacity (``moe.capacity_factor`` c > 0 only; default 0 = dropless): each expert takes at most
+   ceil(c * N * k / E) of this rank's N*k (token, slot) pairs. Drop policy: first choices before
+   second choices, then token order; a dropped pair contributes nothing (the residual carries the
+   token), the other slot's weight is not renormalised. Dropped pairs are counted (``moe_stats``).
+3. Load-balancing loss (Switch / GShard): aux = coef * E * sum_e f_e * P_e, with f_e the fraction
+   of the N*k routing choices that picked expert e (before drops) and P_e the mean router
+   probability of e over the N tokens; 1 * coef for perfectly uniform routing. Kept in
+   ``self.aux_loss`` after each forward; the model sums them (``Transformer.last_aux_loss``).
+4. Expert computation: the kept pairs are sorted by expert (``scaletrain.parallel.exchange``),
+   sent to the rank holding their expert when the parallel context has ep_size > 1, computed
+   there (``Experts``: each expert is an FFN fc1 -> activation -> dropout -> fc2), sent back and
+   summed with the combine weights. An optional shared expert (a dense FFN) adds its output for
+   every token.
+
+Expert parameters are stacked per layer ([local experts, ...]) and carry ``p.expert = True``
+(``is_expert_param``): an engine puts them in their own optimizer group and reduces their gradients
+over the expert-data-parallel group only; checkpoint consolidation reads the same mark, and
+``Experts.first_expert`` / ``num_experts`` say which slice of the layer's experts a rank holds.
+
+Padding: encoder and decoder layers hand their pad masks in (source pads; decoder-input pads), and
+pad positions are neither routed nor counted in the aux loss or the capacity (their output is 0).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models import kernels
+from scaletrain.models.config import ModelConfig, MoEConfig
+from scaletrain.models.transformer import FeedForward
+from scaletrain.parallel import ParallelContext
+from scaletrain.parallel.exchange import combine, dispatch, permute, unpermute
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert parameter (held by one EP rank, replicated over its EDP group)."""
+    return bool(getattr(p, "expert", False))
+
+
+def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
+    """``torch._grouped_mm`` exists on this build and applies: CUDA with compute capability >= 9.0
+    (its CUTLASS kernel), bf16 activations, every row stride a multiple of 16 bytes (d_model and the
+    expert hidden size multiples of 8). Not exercised by the CPU test suite."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and x.shape[-1] % 8 == 0 and ffn_dim % 8 == 0
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+class Router(nn.Linear):
+    """Router logits [N, E] in fp32 whatever the precision around it (autocast off, weights upcast).
+    A module of its own so that ZeRO-3 gathers its weight when it is called."""
+
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__(dim, num_experts, bias=False)
+        nn.init.normal_(self.weight, std=dim**-0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            return F.linear(h.float(), self.weight.float())
+
+
+class Experts(nn.Module):
+    """This rank's experts of one layer, stacked: fc1 [n, D, F] + [n, F], fc2 [n, F, D] + [n, D].
+
+    Initialised expert by expert over ALL ``num_experts`` experts of the layer (xavier like the dense
+    FFN, zero biases), keeping only the local ones: the random stream is consumed identically at
+    every ep_size, so an ep_size=P model holds exactly the slices of the ep_size=1 model built from
+    the same seed."""
+
+    def __init__(self, num_experts: int, local: range, dim: int, ffn_dim: int, activation: str,
+                 activation_dropout: float, kernel_mode: str = "auto"):
+        super().__init__()
+        n = len(local)
+        self.num_experts, self.first_expert = num_experts, local.start
+        self.w1 = nn.Parameter(torch.empty(n, dim, ffn_dim))
+        self.b1 = nn.Parameter(torch.zeros(n, ffn_dim))
+        self.w2 = nn.Parameter(torch.empty(n, ffn_dim, dim))
+        self.b2 = nn.Parameter(torch.zeros(n, dim))
+        with torch.no_grad():
+            for e in range(num_experts):
+                fc1, fc2 = torch.empty(ffn_dim, dim), torch.empty(dim, ffn_dim)  # nn.Linear layout
+                nn.init.xavier_uniform_(fc1)
+                nn.init.xavier_uniform_(fc2)
+                if e in local:
+                    self.w1[e - local.start].copy_(fc1.t())
+                    self.w2[e - local.start].copy_(fc2.t())
+        for p in self.parameters():
+            p.expert = True
+        self.act = {"relu": F.relu, "gelu": F.gelu}[activation]
+        self.activation_dropout, self.kernel_mode = activation_dropout, kernel_mode
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows ``x`` [m, D] grouped by local expert, ``counts[j]`` rows for local expert j."""
+        if _grouped_mm_ok(x, self.w1.shape[-1]):
+            return self._grouped(x, counts)
+        out, start = [], 0
+        for j, n in enumerate(counts):  # every expert runs, empty or not: its gradient is defined (0)
+            out.append(self._ffn(x[start:start + n], self.w1[j], self.b1[j], self.w2[j], self.b2[j]))
+            start += n
+        return torch.cat(out) if out else x
+
+    def _ffn(self, x, w1, b1, w2, b2):
+        h = kernels.dropout(self.act(x @ w1 + b1), self.activation_dropout, self.training, self.kernel_mode)
+        return h @ w2 + b2
+
+    def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One grouped GEMM per projection (CUDA; ``torch._grouped_mm``, bf16)."""
+        n = torch.tensor(counts, device=x.device)
+        offs = torch.cumsum(n, 0).to(torch.int32)
+        w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
+        h = torch._grouped_mm(x, w1, offs=offs) + self.b1.to(x.dtype).repeat_interleave(n, 0, output_size=x.shape[0])
+        h = kernels.dropout(self.act(h), self.activation_dropout, self.training, self.kernel_mode)
+        return torch._grouped_mm(h, w2, offs=offs) + self.b2.to(x.dtype).repeat_interleave(n, 0, output_size=x.shape[0])
+
+
+class MoEFeedForward(nn.Module):
+    """Token-choice top-k MoE feed-forward block (see the module docstring); ``forward(x, pad_mask=None)``."""
+
+    takes_pad_mask = True  # the encoder layer hands its pad mask in
+
+    def __init__(self, dim: int, moe: MoEConfig, ffn_dim: int, activation: str, activation_dropout: float,
+                 kernel_mode: str = "auto", parallel: Optional[ParallelContext] = None):
+        super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.capacity_factor, self.aux_loss_coef = float(moe.capacity_factor), float(moe.aux_loss_coef)
+        self.router = Router(dim, moe.num_experts)
+        self.experts = Experts(moe.num_experts, self.parallel.local_experts(moe.num_experts), dim, ffn_dim,
+                               activation, activation_dropout, kernel_mode)
+        self.shared = (FeedForward(dim, ffn_dim, activation, activation_dropout, kernel_mode)
+                       if moe.shared_expert else None)
+        self.aux_loss: Optional[torch.Tensor] = None
+        self._stats = {"pairs": 0, "dropped": 0, "load": torch.zeros(moe.num_experts, dtype=torch.int64)}
+
+    # ---- routing -------------------------------------------------------------------------
+    def route(self, h: torch.Tensor):
+        """fp32 router over rows ``h`` [N, D] -> (expert index [N, k], combine weights [N, k] fp32,
+        probabilities [N, E] fp32)."""
+        probs = self.router(h).softmax(dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return idx, weights, probs
+
+    def load_balancing_loss(self, idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """coef * E * sum_e f_e * P_e over this call's N tokens (0 when N = 0)."""
+        if idx.shape[0] == 0:
+            return probs.sum() * 0.0
+        f = torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(probs.dtype) / idx.numel()
+        return self.aux_loss_coef * self.num_experts * torch.sum(f * probs.mean(dim=0))
+
+    def capacity(self, n_tokens: int) -> int:
+        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.num_experts)
+
+    def apply_capacity(self, idx: torch.Tensor) -> torch.Tensor:
+        """``idx`` with the pairs over capacity set to -1 (first choices first, then token order)."""
+        n, k = idx.shape
+        flat = idx.t().reshape(-1)  # slot-major: every first choice before any second choice
+        onehot = F.one_hot(flat, self.num_experts)
+        position = (onehot.cumsum(0) * onehot).sum(1) - 1  # place of the pair in its expert's queue
+        flat = torch.where(position < self.capacity(n), flat, torch.full_like(flat, -1))
+        return flat.view(k, n).t()
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        rows = None
+        if pad_mask is not None:
+            rows = (~pad_mask).reshape(-1).nonzero().squeeze(1)
+            h = h.index_select(0, rows)
+        y = self._moe(h)
+        if self.shared is not None:
+            y = y + self.shared(h)
+        if rows is not None:
+            y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, rows, y)
+        return y.view(shape)
+
+    def _moe(self, h: torch.Tensor) -> torch.Tensor:
+        idx, weights, probs = self.route(h)
+        self.aux_loss = self.load_balancing_loss(idx, probs)
+        if self.capacity_factor > 0:
+            idx = self.apply_capacity(idx)
+        xp, perm = permute(h, idx, self.num_experts)
+        xl, d = dispatch(xp, perm.counts, self.parallel)
+        y = combine(self.experts(xl, d.local_counts), d, self.parallel)
+        self._count(idx, perm.counts)
+        return unpermute(y, perm, weights)
+
+    @torch.no_grad()
+    def _count(self, idx: torch.Tensor, kept: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward (activation checkpointing)
+            return
+        self._stats["pairs"] += idx.numel()
+        self._stats["dropped"] += idx.numel() - int(kept.sum())
+        self._stats["load"] += kept.cpu()
+
+    def moe_stats(self, reset: bool = True) -> dict:
+        """This rank's counts since the last reset: routed (token, slot) pairs, dropped pairs, kept
+        pairs per expert (all experts of the layer, whichever rank holds them)."""
+        out = {"pairs": self._stats["pairs"], "dropped": self._stats["dropped"],
+               "load": self._stats["load"].tolist()}
+        if reset:
+            self._stats = {"pairs": 0, "dropped": 0, "load": torch.zeros(self.num_experts, dtype=torch.int64)}
+        return out
+
+
+def moe_ffn_factory(cfg: ModelConfig, moe: Optional[MoEConfig],
+                    parallel: Optional[ParallelContext] = None) -> Optional[Callable[[str, int], Optional[nn.Module]]]:
+    """For ``Transformer(ffn=...)``: ``(side, layer index) -> MoEFeedForward`` on the MoE layers,
+    None elsewhere (the dense block). None when MoE is off."""
+    if moe is None or not moe.enabled():
+        return None
+
+    def make(side: str, index: int) -> Optional[nn.Module]:
+        if not moe.moe_layer(index):
+            return None
+        return MoEFeedForward(cfg.d_model, moe, moe.expert_ffn_dim(cfg), cfg.activation, cfg.activation_dropout,
+                              cfg.kernels, parallel)
+
+    return make

@@ -1,0 +1,15 @@
+"""Parallelism beyond data parallel (docs/DESIGN.md, "Parallelism beyond data parallel").
+
+- ``context.py``: ``ParallelContext``, the process groups a model may use (expert-parallel and
+  expert-data-parallel), built once by whoever owns the process group and handed to the model
+  builder; a single process gets the trivial one.
+- ``exchange.py``: the token exchange of expert parallelism, testable without a model: per-expert
+  count exchange, variable-size all-to-all with autograd, permute / unpermute by destination expert.
+- ``state.py``: expert shards <-> the full (ep_size=1) state dict: consolidation over the EP group and
+  resharding for another ep_size.
+- ``grads.py``: expert-gradient reduction over the expert-data-parallel group (scaled by the world
+  size, so the update does not depend on ep_size) and the clipping norm that counts each expert once.
+"""
+from scaletrain.parallel.context import ParallelContext, build_parallel_context, ep_size_problem
+
+__all__ = ["ParallelContext", "build_parallel_context", "ep_size_problem"]
