@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import deepspeed_cmd, launcher_env, run
+from helpers import deepspeed_cmd, launcher_env, run
 from mlflow import MlflowClient
 from tracking_server import Server  # tests/integration/tracking_server.py
 
@@ -28,7 +28,7 @@ def test_two_ranks_one_run_on_a_real_server(django_shards, tmp_path):
                      "tracking.experiment=two-ranks"]
         env = launcher_env(tmp_path)
         env.pop("MLFLOW_TRACKING_URI")
-        run(deepspeed_cmd(2, "tests/dist_driver.py", str(out), "small", *overrides), env)
+        run(deepspeed_cmd(2, "tests/integration/dist_driver.py", str(out), "small", *overrides), env)
         res = [json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)]
         assert res[0]["run_id"] and res[0]["run_id"] == res[1]["run_id"]  # broadcast from rank 0
         c = MlflowClient(server.uri)
