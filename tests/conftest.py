@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# engine.precision=auto (the default) resolves to fp32 in tests, on every kind of CPU; subprocesses inherit it.
+os.environ["SCALETRAIN_AUTO_PRECISION"] = "fp32"
 # A small but real corpus for integration tests: scripts Latin, Cyrillic, Arabic, Devanagari, Japanese.
 TEST_LANGS = ["de", "ru", "ar", "hi", "ja"]
 
