@@ -130,3 +130,22 @@ def test_tests_pin_auto_to_fp32():
 
     assert os.environ[P.ENV] == "fp32"
     assert P.resolve_precision("auto", cuda=False, flags={"avx512_bf16"}, probe=never).precision == "fp32"
+
+
+def test_preflight_cli_prints_the_resolved_precision_for_launch_sh():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def cli(*args, **env):
+        e = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        return subprocess.run([sys.executable, "-m", "scaletrain.engine.preflight", "--config", "small", *args],
+                              capture_output=True, text=True, env=e, cwd=ROOT, timeout=120)
+
+    p = cli("--print-precision", SCALETRAIN_AUTO_PRECISION="bf16")  # what launch.sh exports to every rank
+    assert p.returncode == 0 and p.stdout == "bf16\n", p.stderr
+    p = cli("--print-precision", "engine.precision=fp32")
+    assert p.returncode == 0 and p.stdout == "fp32\n", p.stderr
+    assert cli("engine.precision=fp32").stdout == ""  # without the flag: silent on success
