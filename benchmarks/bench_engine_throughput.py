@@ -158,7 +158,7 @@ def spread(xs) -> str:
     return f"{statistics.median(xs):.2f}x [{min(xs):.2f}-{max(xs):.2f}]"
 
 
-def run_size(size, args, with_bf16, peak32, peak16):
+def run_size(size, args, with_bf16, peak32, peak16, peaks_after=None):
     from scaletrain.models import estimate_flops_per_token
     from scaletrain.vocab import ByteVocab
 
@@ -183,8 +183,11 @@ def run_size(size, args, with_bf16, peak32, peak16):
     for _ in range(args.rounds):
         for name, step, _ in contenders:
             times[name].append(time_steps(step, 0, args.steps))
+    if peaks_after is not None:
+        peak32, peak16 = peaks_after()
     fpt = estimate_flops_per_token(cfg.model, args.len, args.len, V)
-    print(f"\n== {size}: d {cfg.model.d_model}, {cfg.model.encoder_layers}+{cfg.model.decoder_layers} layers, "
+    print(f"\n== {size}: best GEMM peak fp32 {peak32/1e9:.0f}, bf16 {peak16/1e9:.0f} GFLOP/s")
+    print(f"== {size}: d {cfg.model.d_model}, {cfg.model.encoder_layers}+{cfg.model.decoder_layers} layers, "
           f"FFN {cfg.model.ffn_dim}; batch {args.batch}x{args.len} (src and tgt), vocab {V}, "
           f"params ours {n_ours/1e6:.1f}M / HF {n_hf/1e6:.1f}M, {fpt/1e6:.1f} MFLOP per target token; "
           f"{args.rounds} rounds x {args.steps} steps, medians [min-max over rounds]")
@@ -223,7 +226,11 @@ def main():
     print(f"threads {args.threads}; measured GEMM peak: fp32 {peak32/1e9:.0f} GFLOP/s, bf16 {peak16/1e9:.0f} GFLOP/s"
           + ("" if with_bf16 else " (bf16 rows skipped: no native bf16 on this CPU; --bf16 yes forces them)"))
     for size in args.sizes.split(","):
-        run_size(size, args, with_bf16, peak32, peak16)
+        # the GEMM peak is re-measured after each size and the best kept (a peak taken while the shared
+        # host was busier than during the steps would put MFU above 100%); rows print at the end
+        run_size(size, args, with_bf16, peak32, peak16, peaks_after=lambda: (
+            max(peak32, matmul_peak(torch.float32)),
+            max(peak16, matmul_peak(torch.bfloat16)) if with_bf16 else float("nan")))
 
 
 if __name__ == "__main__":
