@@ -63,7 +63,10 @@ num_nodes=${launcher_opt[num_nodes]:-1}
 # Validate the config (and learn the shard directory) before starting any process: unknown keys,
 # ZeRO stage, ds_config file, fp16 without a GPU... fail here with one message.
 resolved=$(scaletrain train --config "$recipe" "${overrides[@]}" --print-config)
-python -m scaletrain.engine.preflight --config "$recipe" --world-size $((nproc * num_nodes)) "${overrides[@]}"
+# engine.precision=auto is resolved here once (GPU bf16 support / CPU bf16 units + GEMM probe) and exported,
+# so every rank of the job runs the same precision.
+auto_prec=$(python -m scaletrain.engine.preflight --config "$recipe" --world-size $((nproc * num_nodes)) --print-precision "${overrides[@]}")
+export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-$auto_prec}"
 cfg_get() { python -c 'import sys,yaml; c=yaml.safe_load(sys.stdin); sec,key=sys.argv[1].split("."); print(c[sec][key])' "$1" <<<"$resolved"; }
 shards=$(cfg_get data.shards)
 if [[ ! -f "$shards/manifest.json" ]]; then

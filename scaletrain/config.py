@@ -56,7 +56,11 @@ class OptimConfig:
 class EngineConfig:
     backend: str = "deepspeed"  # deepspeed | accelerate
     ds_config: str = "ds_configs/zero0.json"  # path, or a file name inside the packaged ds_configs
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    # auto | fp32 | bf16 | fp16. auto (scaletrain.engine.precision): bf16 on a GPU with bf16 and on a CPU with
+    # native bf16 matrix units (amx_bf16/avx512_bf16 AND a GEMM probe measuring bf16 faster), else fp32.
+    # Resolved once before the engine starts: the saved config names what ran.
+    precision: str = "auto"
+    precision_auto: str = ""  # written by the engine when it resolves auto: "<choice>: <reason>" (informational)
     grad_accum: int = 1
     threads: int = 0  # CPU threads per rank; 0 = cores / local ranks
     accelerate: str = "ddp"  # with backend=accelerate: ddp (plain DDP) | deepspeed (DeepSpeed plugin, ds_config)
@@ -371,8 +375,8 @@ def validate(cfg: Config) -> None:
 
     if cfg.engine.backend not in ("deepspeed", "accelerate"):
         bad("engine.backend", f"must be deepspeed or accelerate, got {cfg.engine.backend!r}")
-    if cfg.engine.precision not in ("fp32", "bf16", "fp16"):
-        bad("engine.precision", f"must be fp32, bf16 or fp16, got {cfg.engine.precision!r}")
+    if cfg.engine.precision not in ("auto", "fp32", "bf16", "fp16"):
+        bad("engine.precision", f"must be auto, fp32, bf16 or fp16, got {cfg.engine.precision!r}")
     if cfg.engine.grad_accum < 1:
         bad("engine.grad_accum", "must be >= 1")
     if cfg.engine.accelerate not in ("ddp", "deepspeed"):

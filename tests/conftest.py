@@ -7,6 +7,9 @@ import pytest
 
 from helpers import TEST_LANGS
 
+# engine.precision=auto (the default) resolves to fp32 in tests, on every kind of CPU; subprocesses inherit it.
+os.environ["SCALETRAIN_AUTO_PRECISION"] = "fp32"
+
 
 @pytest.fixture(scope="session")
 def django_shards(tmp_path_factory) -> Path:

@@ -55,8 +55,8 @@ class AccelerateEngine(Engine):
                     "(launch.sh passes --deepspeed_config_file from engine.ds_config)"
                 )
         expected = int(os.environ.get("WORLD_SIZE", "1"))
+        configure_threads(cfg)  # first: the precision probe runs on the rank's threads
         self.ds_config = preflight(cfg, expected)
-        configure_threads(cfg)
         for noisy in ("DeepSpeed", "accelerate", "accelerate.checkpointing", "accelerate.accelerator"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         from accelerate import Accelerator

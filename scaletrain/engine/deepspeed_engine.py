@@ -19,8 +19,8 @@ class DeepSpeedEngine(Engine):
     def __init__(self, cfg):
         self.cfg = cfg
         ensure_dist_env()
+        configure_threads(cfg)  # first: the precision probe runs on the rank's threads
         self.ds_config = preflight(cfg, int(os.environ["WORLD_SIZE"]))  # before any process group
-        configure_threads(cfg)
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         import deepspeed
         from deepspeed.accelerator import get_accelerator

@@ -73,17 +73,23 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     if g_stop > 0 or g_preempt > 0:
         return StopVote(preempted=g_preempt > 0)
     scale = engine.world_size * len(micro) / g_tok
-    loss_acc = nll_acc = 0.0
-    ntok_acc = examples = 0
+    # No host sync per micro-batch (float()/int() of a device tensor waits for the GPU): the sums stay
+    # on the device, in float64 like the Python floats they replace (same values, same order), and are
+    # read once after the update.
+    sums = []
+    examples = 0
     for b in micro:
         b = b.to(engine.device)
         loss_sum, nll_sum, ntok = unit.loss(b)
         engine.backward(loss_sum * scale)
-        loss_acc += float(loss_sum.detach())
-        nll_acc += float(nll_sum.detach())
-        ntok_acc += int(ntok)
+        sums.append(torch.stack([loss_sum.detach().double(), nll_sum.detach().double(),
+                                 torch.as_tensor(ntok, device=loss_sum.device).double()]))
         examples += b.size
-    return StepOutput(engine.step(), int(g_tok), loss_acc, nll_acc, ntok_acc, examples, int(g_src))
+    info = engine.step()
+    acc = [0.0, 0.0, 0.0]
+    for s in torch.stack(sums).cpu().tolist():  # left-to-right sums, as before
+        acc = [a + x for a, x in zip(acc, s)]
+    return StepOutput(info, int(g_tok), acc[0], acc[1], int(acc[2]), examples, int(g_src))
 
 
 @torch.no_grad()
