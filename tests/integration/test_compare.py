@@ -6,8 +6,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 
 import pytest
+
+pytestmark = pytest.mark.usefixtures("in_process_training")  # trains in this process (two_runs restores the env)
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
         "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
@@ -20,6 +23,7 @@ def two_runs(django_shards, tmp_path_factory):
     from scaletrain.train import train
 
     proj = tmp_path_factory.mktemp("proj")
+    saved_env = dict(os.environ)  # training in this process sets the launcher's variables
     mp = pytest.MonkeyPatch()
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.chdir(proj)
@@ -32,6 +36,8 @@ def two_runs(django_shards, tmp_path_factory):
         yield proj, runs
     finally:
         mp.undo()
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def test_compare_run_dirs_table_formats_and_plot(two_runs, monkeypatch, capsys):

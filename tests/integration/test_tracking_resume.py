@@ -2,7 +2,11 @@
 syncing it afterwards adds nothing."""
 from __future__ import annotations
 
+import pytest
+
 from mlflow import MlflowClient
+
+pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # trains in this process
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
         "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 from mlflow import MlflowClient
 
+pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # trains in this process
+
 TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
         "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
         "train.valid_every=0", "train.valid_max_batches=1", "train.save_every=0", "train.max_steps=4"]

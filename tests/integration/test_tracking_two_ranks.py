@@ -18,6 +18,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.
 @pytest.mark.slow
 def test_two_ranks_one_run_on_a_real_server(django_shards, tmp_path):
     from scaletrain.config import flatten, load_config, to_dict
+    from scaletrain.engine.precision import apply_precision
 
     server = Server(tmp_path / "server")
     server.start()
@@ -37,7 +38,9 @@ def test_two_ranks_one_run_on_a_real_server(django_shards, tmp_path):
         assert [r.info.run_id for r in runs] == [res[0]["run_id"]]  # one job, one run
         r = runs[0]
         assert r.info.status == "FINISHED"
-        cfg = flatten(to_dict(load_config("small", overrides)))
+        resolved = load_config("small", overrides)
+        apply_precision(resolved)  # what every rank runs: engine.precision auto resolved (pinned in conftest)
+        cfg = flatten(to_dict(resolved))
         assert {k: r.data.params.get(k) for k in cfg} == {k: str(v) for k, v in cfg.items()}
         assert r.data.params["world_size"] == "2"
         tags = r.data.tags
