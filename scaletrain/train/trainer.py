@@ -248,8 +248,10 @@ class Trainer:
         return base_nll
 
     def close(self, status: str = "FINISHED") -> None:
-        self.preemption.uninstall()
-        self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
+        try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
+            self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
+        finally:
+            self.preemption.uninstall()
 
 
 def _git_commit(where: Path) -> str | None:

@@ -36,6 +36,17 @@ def test_sigterm_to_the_process_group_checkpoints_and_resumes(django_shards, tmp
         os.killpg(p.pid, signal.SIGTERM)
         t0 = time.time()
         p.wait(timeout=60)
+        # The deepspeed launcher exits on SIGTERM without waiting for its ranks: rank 0 finishes on its own
+        # (checkpoint, preempted.json, run ended KILLED) within the grace period; wait for its last file.
+        from mlflow.tracking import MlflowClient
+
+        def run_status():
+            if not (out / "preempted.json").is_file():
+                return None
+            run_id = json.loads((out / "tracking" / "run.json").read_text())["run_id"]
+            return MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status
+        while run_status() != "KILLED" and time.time() - t0 < 60:
+            time.sleep(0.25)
         took = time.time() - t0
     finally:
         if p.poll() is None:
@@ -48,8 +59,6 @@ def test_sigterm_to_the_process_group_checkpoints_and_resumes(django_shards, tmp
     ck = out / "checkpoints"
     assert (ck / "latest").read_text().strip() == f"step-{step:07d}" and (ck / f"step-{step:07d}" / "index.json").is_file()
     state = json.loads((ck / f"step-{step:07d}" / "trainer_state.json").read_text())
-    from mlflow.tracking import MlflowClient
-
     assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(state["run_id"]).info.status == "KILLED"
     # the same command (a larger max_steps here, to finish quickly) resumes from the preemption checkpoint
     cmd2 = deepspeed_cmd(2, DIST_DRIVER, str(out), "small", f"data.shards={django_shards}",
