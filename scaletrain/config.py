@@ -116,6 +116,10 @@ class TrackingConfig:
     experiment: str = "scaletrain"
     run_name: str = ""
     end_timeout: float = 30.0  # seconds the end of a job waits for an unreachable server (then: tracking sync)
+    peak_tflops: float = 0.0  # MFU peak per device; 0 = the GPU table, or the measured GEMM peak on CPU
+    system_metrics: bool = True  # CPU/memory/disk/network/GPU per node (local rank 0 of each node)
+    system_metrics_interval: float = 10.0  # seconds between system-metric samples
+    progress: bool = True  # live progress line on rank 0 when stdout is a terminal
 
 
 @dataclass
@@ -430,6 +434,10 @@ def validate(cfg: Config) -> None:
         bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
     if cfg.eval.beam < 1:
         bad("eval.beam", "must be >= 1")
+    if cfg.tracking.peak_tflops < 0:
+        bad("tracking.peak_tflops", "must be >= 0 (0 = the GPU table, or the measured GEMM peak on CPU)")
+    if cfg.tracking.system_metrics_interval <= 0:
+        bad("tracking.system_metrics_interval", "must be > 0 seconds")
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -1,9 +1,9 @@
 """Components of the training loop; each decides its own timing and owns its state (torchtitan).
 
 * :class:`StepLogger` - train loss/nll, LR, grad norm, throughput (target tokens/s, source+target tokens/s,
-  bytes/s for the byte tokenizer), data-loader wait per step, peak memory (CUDA max allocated, or the
-  process's peak RSS), ETA and routing statistics every ``train.log_every`` updates (one log line on rank
-  0, metrics to the tracker).
+  bytes/s for the byte tokenizer), MFU (:mod:`scaletrain.train.mfu`), fp16 loss scale, MoE auxiliary
+  loss, data-loader wait per step, peak memory (CUDA max allocated, or the process's peak RSS), ETA and
+  routing statistics every ``train.log_every`` updates (one log line on rank 0, metrics to the tracker).
 * :class:`Evaluator` - validation loss every ``train.valid_every`` updates and BLEU/chrF on the fixed
   validation subset every ``train.bleu_every`` updates.
 * :class:`EarlyStopper` - best checkpoint on ``train.best_metric`` and early stopping after
@@ -37,8 +37,9 @@ class StepLogger:
     """Accumulates each update's sums and reports every ``log_every`` updates (and at ``max_steps``)."""
 
     def __init__(self, tc, engine, unit: TranslationUnit, state: TrainState, clock: TrainClock, budget: TimeBudget,
-                 tracker, byte_level: bool = False):
+                 tracker, byte_level: bool = False, mfu=None):
         self.tc, self.engine, self.unit, self.state = tc, engine, unit, state
+        self.mfu = mfu  # MfuEstimator or None
         self.byte_level = byte_level  # tokens are bytes: bytes/s = (source + target tokens)/s
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
@@ -47,7 +48,7 @@ class StepLogger:
 
     def start(self) -> None:
         self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = self._src = self._steps = 0
+        self._ntok = self._tok = self._skipped = self._src = self._steps = self._examples = 0
         self._wait = 0.0
         self._t_log = time.time()
         self._steps_at_start = self.state.step
@@ -60,6 +61,7 @@ class StepLogger:
         self._loss += out.loss_sum
         self._nll += out.nll_sum
         self._ntok += out.ntok
+        self._examples += out.examples
         self._tok += out.global_tokens
         self._skipped += int(out.info.skipped)
         st = self.state
@@ -72,7 +74,9 @@ class StepLogger:
 
     def _report(self, out: StepOutput) -> None:
         eng, st, info = self.engine, self.state, out.info
-        l, nl, nt = eng.all_reduce_sum([self._loss, self._nll, self._ntok])
+        aux_sum, aux_n = self.unit.aux_loss(reset=True)
+        l, nl, nt, ex, aux_sum, aux_n = eng.all_reduce_sum([self._loss, self._nll, self._ntok, self._examples,
+                                                            aux_sum, aux_n])
         elapsed = max(time.time() - self._t_log, 1e-9)
         tps = self._tok / elapsed
         metrics = {
@@ -86,12 +90,20 @@ class StepLogger:
         }
         if self.byte_level:
             metrics["train/bytes_per_s"] = metrics["train/src_tgt_tokens_per_s"]
+        if self.mfu is not None and ex > 0:  # mean sentence-pair lengths of the interval, all ranks
+            metrics.update(self.mfu.metrics(tps, self._src / ex, self._tok / ex))
+        scale = eng.loss_scale() if eng.is_main else None
+        if scale is not None:
+            metrics["train/loss_scale"] = scale
+        if aux_n:
+            metrics["train/moe_aux_loss"] = aux_sum / aux_n
         self.loss_history.append((st.step, metrics["train/loss"]))
         if eng.is_main:
             skipped = (f" | skipped {self._skipped} (fp16 overflow; {st.skipped_steps} in all)"
                        if self._skipped else "")
-            log.info("step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s | eta %s%s",
-                     st.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps,
+            mfu = f" | mfu {100 * metrics['train/mfu']:.1f}%" if "train/mfu" in metrics else ""
+            log.info("step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s%s | eta %s%s",
+                     st.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps, mfu,
                      fmt_secs(self._eta()), skipped)
             self.tracker.log_metrics(metrics, step=st.step)
         routing = self.unit.routing()  # MoCE: expert shares, mean radius
@@ -99,7 +111,7 @@ class StepLogger:
         if eng.is_main and routing:
             self.tracker.log_metrics(routing, step=st.step)
         self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = self._src = self._steps = 0
+        self._ntok = self._tok = self._skipped = self._src = self._steps = self._examples = 0
         self._wait = 0.0
         self._t_log = time.time()
 

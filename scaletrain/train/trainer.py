@@ -26,6 +26,7 @@ from scaletrain.engine import Engine, build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
+from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.unit import StopVote, TranslationUnit, train_step
@@ -85,7 +86,8 @@ class Trainer:
         self.tracker = self._make_tracker()
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
-                                 byte_level=cfg.data.tokenizer == "byte")
+                                 byte_level=cfg.data.tokenizer == "byte",
+                                 mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng))
         self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
@@ -130,6 +132,7 @@ class Trainer:
             self.logger.after_step(out, data_wait)
             decision = self.stopper.update(self.evaluator.after_step())
             saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save)
+            self._record_checkpoint(saved)
             self.stopper.keep(saved, decision)
             if decision.stop:
                 break
@@ -145,6 +148,7 @@ class Trainer:
         elif not st.valid_history or st.valid_history[-1][0] != st.step:
             self.evaluator.validation_loss()
         final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
+        self._record_checkpoint(final)
         if self.preempted and self.engine.is_main:  # launch.sh reads it: the launchers exit 1 on a signal
             (Path(self.out_dir) / PREEMPTED_FILE).write_text(json.dumps(
                 {"step": st.step, "checkpoint": str(final), "signal": self.preemption.signal_name}))
@@ -178,6 +182,11 @@ class Trainer:
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
         return dict(trainer_state=trainer_state, rank_state={"stream": self.stream.state_dict()},
                     config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+
+    def _record_checkpoint(self, saved: Path | None) -> None:
+        """The run's checkpoints.json artifact (rank 0; a local write, the upload is in the background)."""
+        if saved is not None and self.engine.is_main and self.cfg.tracking.enabled:
+            self.tracker.log_checkpoint(saved, self.state.step)
 
     def save(self) -> Path:
         return self.ckpt.maybe_save(self.state.step, self._checkpoint_contents, force=True)
@@ -267,20 +276,22 @@ def _git_commit(where: Path) -> str | None:
 def run_tags(cfg: Config, engine: Engine, manifest) -> dict[str, str]:
     """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions)."""
     import importlib.metadata as md
-    import os
 
     import scaletrain
     from scaletrain.fileio import sha256_bytes
+    from scaletrain.tracking import node_layout
 
     m, e = cfg.model, cfg.engine
     world = engine.world_size
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     tags: dict[str, object] = {
         "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
         "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
         "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
-        "nodes": max(1, world // max(local, 1)), "tokenizer": cfg.data.tokenizer,
+        "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
     }
+    if cfg.moe.enabled():
+        tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.ep_size": cfg.moe.ep_size,
+                     "moe.every": cfg.moe.every, "moe.capacity_factor": cfg.moe.capacity_factor})
     if m.arch == "moce":
         tags["moce.delta"] = len(m.conv.kernels) - 1  # experts = kernels {0, 1, 3, ..., 2Δ-1}, E = Δ + 1
         tags["moce.lid"] = m.moce.lid

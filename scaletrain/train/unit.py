@@ -18,6 +18,7 @@ from scaletrain.models.routing_stats import routing_metrics
 class TranslationUnit:
     def __init__(self, engine: Engine, label_smoothing: float, pad: int, langs: list[str]):
         self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
+        self._aux_sum, self._aux_n = None, 0  # MoE auxiliary loss of the training batches (on the device)
 
     def loss(self, batch):
         """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
@@ -31,7 +32,19 @@ class TranslationUnit:
         aux = getattr(self.engine.module, "last_aux_loss", None)
         if aux is not None:
             loss_sum = loss_sum + aux.to(loss_sum.dtype) * ntok
+            if torch.is_grad_enabled():  # training batches only, summed on the device (no host sync)
+                a = aux.detach().double()
+                self._aux_sum = a if self._aux_sum is None else self._aux_sum + a
+                self._aux_n += 1
         return loss_sum, nll_sum, ntok
+
+    def aux_loss(self, reset: bool = True) -> tuple[float, int]:
+        """(sum, number of batches) of the MoE auxiliary loss (coefficient applied) over this rank's
+        training batches since the last reset; (0.0, 0) for models without one. One host sync."""
+        out = (float(self._aux_sum) if self._aux_sum is not None else 0.0, self._aux_n)
+        if reset:
+            self._aux_sum, self._aux_n = None, 0
+        return out
 
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
