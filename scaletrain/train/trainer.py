@@ -163,19 +163,23 @@ class Trainer:
         )
 
     def _plot(self) -> None:
-        """Learning curves of the whole job (from the tracking journal) as a PNG in ``out_dir/plots`` and
-        an artifact; a plotting failure is a warning, never a failed training."""
+        """Learning curves of the whole job and (MoCE) expert usage per language, from the tracking
+        journal, as PNGs (+ JSON of the numbers) in ``out_dir/plots`` and artifacts; a plotting failure
+        is a warning, never a failed training."""
         if not self.cfg.tracking.enabled:
             return
-        try:
-            from scaletrain.plots import plot_learning_curves
+        from scaletrain.plots import plot_expert_usage, plot_learning_curves
 
-            png = plot_learning_curves(self.out_dir, title=f"{self.cfg.name} ({self.state.run_id or 'no run'})")
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not plot the learning curves: %s", e)
-            return
-        if png is not None:
-            self.tracker.log_artifact(png, "plots")
+        title = f"{self.cfg.name} ({self.state.run_id or 'no run'})"
+        for what, fn in (("learning curves", plot_learning_curves), ("expert usage", plot_expert_usage)):
+            try:
+                png = fn(self.out_dir, title=title)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not plot the %s: %s", what, e)
+                continue
+            for f in (png, png.with_suffix(".json")) if png is not None else ():
+                if f.is_file():
+                    self.tracker.log_artifact(f, "plots")
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:
