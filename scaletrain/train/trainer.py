@@ -92,6 +92,7 @@ class Trainer:
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.preempted = False
+        self.system_metrics = None  # NodeSystemMetrics on each node's local rank 0 (fit)
 
     def build_model(self) -> torch.nn.Module:
         moe = self.cfg.moe
@@ -232,6 +233,26 @@ class Trainer:
                 self.tracker.log_text(dump_yaml(cfg), "config.yaml")
                 self._log_setup_artifacts()
         self.state.run_id = broadcast_run_id(run_id, eng.is_main)
+        self._start_system_metrics()
+
+    def _start_system_metrics(self) -> None:
+        """One system-metrics sampler per node (its local rank 0), on the run rank 0 created, in rank 0's
+        store (collective: the store's URI is broadcast)."""
+        t, eng = self.cfg.tracking, self.engine
+        if not (t.enabled and t.system_metrics):
+            return
+        uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
+        if eng.local_rank != 0 or not self.state.run_id:
+            return
+        from scaletrain.system_metrics import NodeSystemMetrics
+        from scaletrain.tracking import node_layout
+
+        node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
+        try:
+            self.system_metrics = NodeSystemMetrics(uri, self.state.run_id, node, interval=t.system_metrics_interval,
+                                                    step=lambda: self.state.step).start()
+        except Exception as e:  # noqa: BLE001 - e.g. psutil missing: training goes on without them
+            log.warning("system metrics on %s not started: %s", node, e)
 
     def _log_setup_artifacts(self) -> None:
         """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
@@ -262,6 +283,9 @@ class Trainer:
 
     def close(self, status: str = "FINISHED") -> None:
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
+            if self.system_metrics is not None:
+                self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout))
+                self.system_metrics = None
             self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
         finally:
             self.preemption.uninstall()
