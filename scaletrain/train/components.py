@@ -4,6 +4,8 @@
   bytes/s for the byte tokenizer), MFU (:mod:`scaletrain.train.mfu`), fp16 loss scale, MoE auxiliary
   loss, data-loader wait per step, peak memory (CUDA max allocated, or the process's peak RSS), ETA and
   routing statistics every ``train.log_every`` updates (one log line on rank 0, metrics to the tracker).
+* :class:`ProgressDisplay` - rank 0 at a terminal: one live line (step / max_steps, loss, tokens/s, ETA
+  within the wall-clock budget); the log lines print above it.
 * :class:`Evaluator` - validation loss every ``train.valid_every`` updates and BLEU/chrF on the fixed
   validation subset every ``train.bleu_every`` updates.
 * :class:`EarlyStopper` - best checkpoint on ``train.best_metric`` and early stopping after
@@ -14,8 +16,10 @@ Checkpoint timing is :meth:`scaletrain.checkpoint.CheckpointManager.maybe_save`;
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,48 @@ def fmt_secs(s: float) -> str:
     return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+class ProgressDisplay:
+    """A tqdm line on rank 0 when stdout is a terminal and ``tracking.progress`` is on; else nothing.
+
+    Cheap: ``step()`` is a counter increment (tqdm redraws at most every 0.5 s); loss, tokens/s and the ETA
+    (the step-based estimate capped by the wall-clock budget left) come from the step logger's report
+    every ``log_every`` updates. While it is shown, log lines go through ``tqdm.write`` (above the line)."""
+
+    def __init__(self, enabled: bool, max_steps: int, start_step: int, budget_minutes: float = 0.0):
+        self.bar = None
+        self._stack = contextlib.ExitStack()
+        if not enabled:
+            return
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        desc = "train" + (f" (budget {fmt_secs(budget_minutes * 60)})" if budget_minutes else "")
+        self.bar = tqdm(total=max_steps, initial=start_step, desc=desc, unit="step", file=sys.stdout,
+                        mininterval=0.5, dynamic_ncols=True, leave=True,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| [{elapsed}{postfix}]")
+        self._stack.enter_context(logging_redirect_tqdm())
+
+    @classmethod
+    def for_run(cls, cfg, engine, state) -> "ProgressDisplay":
+        on = bool(cfg.tracking.progress) and engine.is_main and sys.stdout.isatty()
+        return cls(on, cfg.train.max_steps, state.step, cfg.train.max_minutes)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, loss: float, tokens_per_s: float, eta_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_s:,.0f} tok/s, eta {fmt_secs(eta_s)}",
+                                     refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self._stack.close()
+
+
 class StepLogger:
     """Accumulates each update's sums and reports every ``log_every`` updates (and at ``max_steps``)."""
 
@@ -40,6 +86,7 @@ class StepLogger:
                  tracker, byte_level: bool = False, mfu=None):
         self.tc, self.engine, self.unit, self.state = tc, engine, unit, state
         self.mfu = mfu  # MfuEstimator or None
+        self.progress = ProgressDisplay(False, tc.max_steps, 0)  # the trainer sets the real one in fit()
         self.byte_level = byte_level  # tokens are bytes: bytes/s = (source + target tokens)/s
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
@@ -64,6 +111,7 @@ class StepLogger:
         self._examples += out.examples
         self._tok += out.global_tokens
         self._skipped += int(out.info.skipped)
+        self.progress.step()
         st = self.state
         if st.step % self.tc.log_every == 0 or st.step == self.tc.max_steps:
             self._report(out)
@@ -105,6 +153,7 @@ class StepLogger:
             log.info("step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s%s | eta %s%s",
                      st.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps, mfu,
                      fmt_secs(self._eta()), skipped)
+            self.progress.report(metrics["train/loss"], tps, self._eta())
             self.tracker.log_metrics(metrics, step=st.step)
         routing = self.unit.routing()  # MoCE: expert shares, mean radius
         self.last_routing = routing

@@ -74,7 +74,7 @@ def moe_extra_flops_per_token(model_cfg, moe, src_len: float, tgt_len: float) ->
 @dataclass
 class MfuEstimator:
     """``metrics(tokens_per_s, src_len, tgt_len)``: ``train/mfu``, ``train/model_tflops`` (achieved, all
-    ranks) and ``train/flops_per_token``; empty without a peak."""
+    ranks), ``train/flops_per_token`` and ``train/peak_tflops`` (all ranks); empty without a peak."""
 
     model_cfg: object
     vocab_size: int
@@ -101,5 +101,6 @@ class MfuEstimator:
             return {}
         fpt = self.flops_per_token(src_len, tgt_len)
         achieved = tokens_per_s * fpt
-        return {"train/mfu": achieved / (self.peak_flops * self.world_size),
-                "train/model_tflops": achieved / 1e12, "train/flops_per_token": fpt}
+        peak = self.peak_flops * self.world_size
+        return {"train/mfu": achieved / peak, "train/model_tflops": achieved / 1e12, "train/flops_per_token": fpt,
+                "train/peak_tflops": peak / 1e12}

@@ -25,7 +25,7 @@ from scaletrain.data.stream import ShardLoader
 from scaletrain.engine import Engine, build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
-from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
+from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
@@ -116,6 +116,7 @@ class Trainer:
         eng.train(True)
         self.clock.start()
         self.logger.start()
+        self.logger.progress = ProgressDisplay.for_run(self.cfg, eng, st)  # closed by _finish / close
         while st.step < self.cfg.train.max_steps:
             t_wait = time.perf_counter()
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
@@ -141,6 +142,7 @@ class Trainer:
 
     def _finish(self, baseline: float) -> TrainResult:
         st = self.state
+        self.logger.progress.close()
         if self.preempted:  # no validation: the grace period is for the checkpoint
             self.preemption.cancel_grace()
             if self.engine.is_main:
@@ -282,6 +284,7 @@ class Trainer:
         return base_nll
 
     def close(self, status: str = "FINISHED") -> None:
+        self.logger.progress.close()
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
             if self.system_metrics is not None:
                 self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout))

@@ -55,6 +55,7 @@ def test_mfu_is_model_flops_times_tokens_over_the_peak(moe_run):
     for s in mfu:
         assert 0 < mfu[s] <= 1
         assert mfu[s] == pytest.approx(tps[s] * fpt[s] / 0.5e12, rel=1e-9)  # world size 1, peak 0.5 TFLOP/s
+        assert _history(c, res.run_id, "train/peak_tflops")[s] == 0.5
         # the model's own count at some mean lengths within the batches' bounds (<= 41 bytes + tag/eos)
         lo = estimate_flops_per_token(cfg.model, 1, 1, int(V)) + moe_extra_flops_per_token(cfg.model, cfg.moe, 1, 1)
         assert lo < fpt[s]

@@ -44,7 +44,7 @@ def test_mfu_metric_is_tokens_times_model_flops_over_world_peak():
     assert m["train/flops_per_token"] == fpt
     assert m["train/mfu"] == pytest.approx(5000.0 * fpt / 4e12, rel=1e-12)
     assert 0 < m["train/mfu"] <= 1
-    assert m["train/model_tflops"] == pytest.approx(5000.0 * fpt / 1e12)
+    assert m["train/model_tflops"] == pytest.approx(5000.0 * fpt / 1e12) and m["train/peak_tflops"] == 4.0
     assert MfuEstimator(cfg, 300, 4, None, "unknown GPU").metrics(5000.0, 30.0, 20.0) == {}
 
 
