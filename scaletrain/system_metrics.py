@@ -12,7 +12,9 @@ checks the run over the network every sample); here the sampling thread never ta
 it hands each sample to the same retrying background sender the tracker uses
 (:class:`scaletrain.tracking._Sender`: exponential backoff, one warning, the backlog sent when the
 server is back, bounded memory). So a monitor that loses the server keeps sampling and its samples
-reach the run once the server answers again.
+reach the run once the server answers again. With ``journal_dir`` (training: ``<out_dir>/tracking/
+system/node<k>``) every sample is also appended to ``journal.jsonl`` there first, so ``scaletrain
+tracking sync`` uploads what the server never got (e.g. the job ended during an outage).
 """
 from __future__ import annotations
 
@@ -53,8 +55,9 @@ class NodeSystemMetrics:
     ``timeout`` seconds for the sender (what is still queued then is dropped: these are samples)."""
 
     def __init__(self, uri: str, run_id: str, node_id: str, *, interval: float = 10.0,
-                 step: Callable[[], int] | None = None, max_backoff: float = 30.0, host: str | None = None):
-        from scaletrain.tracking import _fast_failing_http
+                 step: Callable[[], int] | None = None, max_backoff: float = 30.0, host: str | None = None,
+                 journal_dir=None):
+        from scaletrain.tracking import _fast_failing_http, _Journal
 
         self.uri, self.run_id, self.node_id = uri, run_id, node_id
         self.interval = float(interval)
@@ -67,6 +70,7 @@ class NodeSystemMetrics:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitors = mlflow_monitors()
+        self._journal = _Journal(journal_dir) if journal_dir is not None else None
         _fast_failing_http(uri)
 
     # runs on the sender thread
@@ -114,6 +118,8 @@ class NodeSystemMetrics:
         if not vals:
             return
         ts, step = int(time.time() * 1000), int(self.step())
+        if self._journal is not None:
+            self._journal.append({"t": "m", "run_id": self.run_id, "s": step, "ts": ts, "v": vals})
         self._sender.submit("metrics", [Metric(k, v, ts, step) for k, v in vals.items()], size=len(vals))
         self.samples += 1
 
@@ -136,10 +142,14 @@ class NodeSystemMetrics:
         except Exception as e:  # noqa: BLE001
             log.warning("system metrics on %s: last sample failed (%s)", self.node_id, e)
         ok = self._sender.wait(timeout=timeout)
+        if self._journal is not None:
+            self._journal.close()
         if ok:
             self._sender.close()
         else:
             self._sender.abandon()
-            log.warning("system metrics of %s: the tracking server did not take the last samples (%s)",
-                        self.node_id, self._sender.last_error)
+            log.warning("system metrics of %s: the tracking server did not take the last samples (%s)%s",
+                        self.node_id, self._sender.last_error,
+                        "; they are in the journal: `scaletrain tracking sync RUN_DIR` uploads them"
+                        if self._journal is not None else "")
         return ok

@@ -798,7 +798,8 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
     """Upload what a run's server missed from ``run_dir`` (a training output directory holding
     ``tracking/``, or that ``tracking`` directory itself): metrics not on the server (matched by key, step
     and timestamp, so running it twice sends nothing twice), params, tags, artifacts, and the end status
-    if the journal's last event for the run is its end. ``uri`` overrides the one in ``run.json``."""
+    if the journal's last event for the run is its end; and the system metrics each node journaled in
+    ``tracking/system/<node>/journal.jsonl``. ``uri`` overrides the one in ``run.json``."""
     d = Path(run_dir)
     tdir = d if (d / RUN_FILE).is_file() else d / "tracking"
     if not (tdir / RUN_FILE).is_file() or not (tdir / JOURNAL).is_file():
@@ -825,6 +826,10 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
             r["artifacts"].append((rec["path"], rec.get("dir")))
         if t in ("start", "resume", "end"):
             r["last"] = rec
+    for sys_journal in sorted((tdir / "system").glob(f"*/{JOURNAL}")):  # scaletrain.system_metrics, per node
+        for rec in read_journal(sys_journal):
+            if rec.get("t") == "m" and rec.get("run_id") in by_run:
+                by_run[rec["run_id"]]["m"].extend((k, v, rec["ts"], rec["s"]) for k, v in rec["v"].items())
     reports = []
     for run_id, r in by_run.items():
         try:

@@ -251,8 +251,9 @@ class Trainer:
 
         node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
         try:
-            self.system_metrics = NodeSystemMetrics(uri, self.state.run_id, node, interval=t.system_metrics_interval,
-                                                    step=lambda: self.state.step).start()
+            self.system_metrics = NodeSystemMetrics(
+                uri, self.state.run_id, node, interval=t.system_metrics_interval, step=lambda: self.state.step,
+                journal_dir=Path(self.out_dir) / "tracking" / "system" / node).start()
         except Exception as e:  # noqa: BLE001 - e.g. psutil missing: training goes on without them
             log.warning("system metrics on %s not started: %s", node, e)
 

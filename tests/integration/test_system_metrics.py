@@ -107,3 +107,30 @@ def test_two_nodes_report_system_metrics_on_the_one_run(django_shards, tmp_path)
     for node in ("node0", "node1"):  # both nodes' samples, on the one run
         assert f"system/{node}/{CPU}" in run.data.metrics and run.data.tags[f"{node}.host"], node
     assert run.data.tags["nodes"] == "2"
+
+
+def test_samples_the_server_never_got_are_uploaded_by_tracking_sync(tmp_path):
+    """A sampler whose server never answers (nothing listens on its port) journals every sample; the job
+    ends with them undelivered; `tracking sync` puts them on the run, once."""
+    from helpers import free_port
+
+    from scaletrain.tracking import Tracker, sync_run
+
+    store = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    tr = Tracker(store, "sys-sync", "r", True, tmp_path, local_dir=tmp_path / "tracking")
+    rid = tr.start()
+    tr.end()
+    step = {"now": 7}
+    sm = NodeSystemMetrics(f"http://127.0.0.1:{free_port()}", rid, "node1", interval=0.1, step=lambda: step["now"],
+                           max_backoff=0.2, journal_dir=tmp_path / "tracking" / "system" / "node1")
+    sm.start()
+    _wait(lambda: sm.samples >= 3, what="samples")
+    step["now"] = 8
+    assert not sm.stop(timeout=0.5)  # the server never answered
+    c = MlflowClient(store)
+    assert c.get_metric_history(rid, f"system/node1/{CPU}") == []
+    (rep,) = sync_run(tmp_path)
+    got = sorted((m.step, m.timestamp) for m in c.get_metric_history(rid, f"system/node1/{CPU}"))
+    assert len(got) == sm.samples >= 4 and {s for s, _ in got} == {7, 8}
+    (again,) = sync_run(tmp_path)
+    assert again.metrics_sent == 0  # nothing twice
