@@ -4,10 +4,11 @@
   (``<out_dir>/tracking/journal.jsonl``, which holds every logged value of every session of the job,
   with its step and wall-clock timestamp) and draws train loss and validation nll against step and
   against wall-clock time.
-* :func:`plot_expert_usage` (end of training, MoCE): each expert's share of the routing choices per
-  source language and the mean receptive radius per language, per routed layer (the MoCE paper's
-  Fig. 4), from the last routing statistics the run logged (``routing/L<layer>/<lang>/share_k<k>``,
-  ``.../mean_radius``: the last ``train.log_every`` interval, summed over ranks).
+* :func:`plot_expert_usage` (end of training, MoCE and MoE): each expert's share of the routing
+  choices per source language (and for MoCE the mean receptive radius per language), per routed layer
+  (the MoCE paper's Fig. 4), from the last routing statistics the run logged
+  (``routing/L<layer>/<lang>/share_k<k>``, ``.../mean_radius``; MoE encoder layers:
+  ``moe_usage/<layer>/<lang>/share_e<i>``; since the last validation, summed over ranks).
 * :func:`plot_eval_scores` (``scaletrain evaluate``): BLEU and chrF per group (all, xx->en, en->xx, the
   recipe's ``eval.groups``) with the copy-the-source baseline beside each bar.
 
@@ -100,13 +101,15 @@ def _save(fig, path: Path, data: dict, dpi: int) -> Path:
     return path
 
 
-_ROUTING = re.compile(r"^routing/L(?P<layer>[^/]+)/(?P<lang>[^/]+)/(?:share_k(?P<k>\d+)|mean_radius)$")
+_ROUTING = re.compile(r"^(?:routing/L(?P<layer>[^/]+)/(?P<lang>[^/]+)/(?:share_k(?P<k>\d+)|mean_radius)"
+                      r"|moe_usage/(?P<moe>[^/]+)/(?P<mlang>[^/]+)/share_e(?P<e>\d+))$")
 
 
 def routing_usage(journal: str | os.PathLike) -> dict | None:
-    """The last routing statistics in a tracking journal: ``{"step": s, "layers": {"L<i>": {"kernels":
-    [k...], "langs": [lang..., "all"], "share": [[share per kernel] per lang], "mean_radius": [per lang]}}}``
-    (shares of the routing choices, k0 = identity); None when the run logged none."""
+    """The last routing statistics in a tracking journal: ``{"step": s, "layers": {name: layer}}``, a
+    MoCE layer ``"L<i>": {"kernels": [k...], "langs": [lang..., "all"], "share": [[share per kernel] per
+    lang], "mean_radius": [per lang]}`` (k0 = identity), an MoE layer ``"moe <layer>": {"experts": [e...],
+    "langs", "share"}`` (:mod:`scaletrain.train.moe_usage`); None when the run logged none."""
     last = None
     for r in read_journal(journal):
         if r.get("t") == "m" and any(_ROUTING.match(k) for k in r["v"]):
@@ -118,18 +121,22 @@ def routing_usage(journal: str | os.PathLike) -> dict | None:
         m = _ROUTING.match(key)
         if not m:
             continue
-        layer = raw.setdefault(f"L{m['layer']}", {"share": {}, "radius": {}})
-        if m["k"] is None:
-            layer["radius"][m["lang"]] = v
+        moe = m["moe"] is not None
+        layer = raw.setdefault(f"moe {m['moe']}" if moe else f"L{m['layer']}",
+                               {"share": {}, "radius": {}, "unit": "experts" if moe else "kernels"})
+        lang, k = (m["mlang"], m["e"]) if moe else (m["lang"], m["k"])
+        if k is None:
+            layer["radius"][lang] = v
         else:
-            layer["share"].setdefault(m["lang"], {})[int(m["k"])] = v
+            layer["share"].setdefault(lang, {})[int(k)] = v
     layers = {}
     for name, d in sorted(raw.items()):
         langs = sorted(d["share"], key=lambda x: (x == "all", x))
-        kernels = sorted({k for per in d["share"].values() for k in per})
-        layers[name] = {"kernels": kernels, "langs": langs,
-                        "share": [[d["share"][lang].get(k, 0.0) for k in kernels] for lang in langs],
-                        "mean_radius": [d["radius"].get(lang) for lang in langs]}
+        ks = sorted({k for per in d["share"].values() for k in per})
+        layers[name] = {d["unit"]: ks, "langs": langs,
+                        "share": [[d["share"][lang].get(k, 0.0) for k in ks] for lang in langs]}
+        if d["radius"]:
+            layers[name]["mean_radius"] = [d["radius"].get(lang) for lang in langs]
     return {"step": last["s"], "layers": layers}
 
 
@@ -145,26 +152,31 @@ def plot_expert_usage(run_dir: str | os.PathLike, path: str | os.PathLike | None
     plt = _pyplot()
     layers = usage["layers"]
     n_langs = max(len(d["langs"]) for d in layers.values())
-    fig, axes = plt.subplots(len(layers), 2, figsize=(10, 1.0 + 0.3 * n_langs * len(layers)), dpi=dpi,
+    fig, axes = plt.subplots(len(layers), 2, figsize=(10, 1.0 + (0.3 * n_langs + 0.5) * len(layers)), dpi=dpi,
                              squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
     cmap = plt.get_cmap("viridis")
     for row, (name, d) in enumerate(layers.items()):
         ax, axr = axes[row]
+        moce = "kernels" in d
+        ks = d["kernels"] if moce else d["experts"]
         left = [0.0] * len(d["langs"])
-        for e, k in enumerate(d["kernels"]):
+        for e, k in enumerate(ks):
             widths = [d["share"][i][e] for i in range(len(d["langs"]))]
-            ax.barh(d["langs"], widths, left=left, color=cmap(e / max(len(d["kernels"]) - 1, 1)),
-                    label="identity (k0)" if k == 0 else f"k{k}")
+            label = ("identity (k0)" if k == 0 else f"k{k}") if moce else f"expert {k}"
+            ax.barh(d["langs"], widths, left=left, color=cmap(e / max(len(ks) - 1, 1)), label=label)
             left = [a + b for a, b in zip(left, widths)]
         ax.set_xlim(0, 1)
         ax.set_title(f"{name}: expert share per source language (step {usage['step']})")
         ax.invert_yaxis()
-        axr.barh(d["langs"], [r or 0.0 for r in d["mean_radius"]], color="gray")
-        axr.set_title("mean radius")
-        axr.invert_yaxis()
-        axr.set_yticklabels([])
-    axes[0][0].legend(fontsize="small", ncol=min(len(layers[next(iter(layers))]["kernels"]), 6),
-                      loc="lower left", bbox_to_anchor=(0, 1.12), frameon=False)
+        ax.legend(fontsize="x-small", ncol=min(len(ks), 8), loc="lower left", bbox_to_anchor=(0, 1.12),
+                  frameon=False)
+        if "mean_radius" in d:
+            axr.barh(d["langs"], [r or 0.0 for r in d["mean_radius"]], color="gray")
+            axr.set_title("mean radius")
+            axr.invert_yaxis()
+            axr.set_yticklabels([])
+        else:
+            axr.axis("off")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -13,12 +13,14 @@ import torch
 from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.models.routing_stats import routing_metrics
+from scaletrain.train.moe_usage import MoeLanguageUsage
 
 
 class TranslationUnit:
     def __init__(self, engine: Engine, label_smoothing: float, pad: int, langs: list[str]):
         self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
         self._aux_sum, self._aux_n = None, 0  # MoE auxiliary loss of the training batches (on the device)
+        self.moe_usage = MoeLanguageUsage.for_model(engine.module, len(langs)) if langs else None
 
     def loss(self, batch):
         """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
@@ -26,6 +28,8 @@ class TranslationUnit:
         A model with auxiliary losses (MoE load balancing: ``last_aux_loss``, a per-batch mean with its
         coefficient applied) adds aux * target tokens to the loss sum, so that after ``train_step``'s
         normalisation it enters as the token-weighted mean over the step's batches (all ranks)."""
+        if self.moe_usage is not None:
+            self.moe_usage.set_batch(batch.src_lang)  # MoE expert usage per source language
         logits = self.engine.forward(batch.src, batch.tgt_in)
         loss_sum, nll_sum, ntok = label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing,
                                                     ignore_index=self.pad)
@@ -49,7 +53,10 @@ class TranslationUnit:
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
         # MoE counts are summed over the ranks (collective: every rank calls this at the same points)
-        return routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
+        out = routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
+        if self.moe_usage is not None:
+            out.update(self.moe_usage.metrics(self.langs, self.engine.all_reduce_sum, reset=reset))
+        return out
 
 
 @dataclass

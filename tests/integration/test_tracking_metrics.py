@@ -88,3 +88,20 @@ def test_moe_tags_and_checkpoint_list(moe_run):
     assert [e["step"] for e in ckpts] == [2, 4, 6]
     assert [e["exists"] for e in ckpts] == [False, False, True]  # keep_last=1 pruned the older ones
     assert ckpts[-1]["path"] == str(Path(res.final_checkpoint).resolve())
+
+
+def test_moe_expert_usage_per_language_plot_is_the_logged_shares(moe_run):
+    from PIL import Image
+
+    cfg, res, c = moe_run
+    png = Path(res.out_dir) / "plots" / "expert_usage.png"
+    with Image.open(png) as im:
+        im.verify()
+    data = json.loads(png.with_suffix(".json").read_text())
+    assert data["step"] == 6 and list(data["layers"]) == ["moe encoder.0"]
+    layer = data["layers"]["moe encoder.0"]
+    assert layer["experts"] == [0, 1, 2, 3] and layer["langs"][-1] == "all" and "mean_radius" not in layer
+    logged = c.get_run(res.run_id).data.metrics
+    for i, lang in enumerate(layer["langs"]):
+        assert layer["share"][i] == [logged[f"moe_usage/encoder.0/{lang}/share_e{e}"] for e in range(4)], lang
+        assert abs(sum(layer["share"][i]) - 1) < 1e-9
