@@ -2,9 +2,9 @@
 
 The MoE layers count routed pairs per expert but not per language; this meter adds that from the
 outside with two hooks per encoder MoE layer (``scaletrain.models.moe.MoEFeedForward``): a forward
-pre-hook reads the pad mask (which rows of the layer input are routed) and a forward hook on its
+pre-hook reads the pad mask (how many rows of each sentence are routed) and a forward hook on its
 router takes the router's top-k choice for each routed row and adds it to a ``[languages, experts]``
-count on the device, by the sentence's source language (:meth:`set_batch`). Only training forwards
+count on the device, by the sentence's source language (:meth:`set_batch`); no host sync. Only training forwards
 are counted (not validation, not activation-checkpoint recomputation); the counts are the router's
 choices before any capacity drop. :meth:`metrics` all-reduces the counts over ranks (a collective
 at the step logger's report) and returns ``moe_usage/<layer>/<lang>/share_e<i>`` (each expert's share
@@ -57,16 +57,20 @@ class MoeLanguageUsage:
                 return
             x = args[0]
             pad = args[1] if len(args) > 1 else None
-            langs = self._langs.to(x.device)[:, None].expand(x.shape[0], x.shape[1])
-            self._rows[name] = langs[~pad] if pad is not None else langs.reshape(-1)
+            # routed rows per sentence (the layer routes the non-pad positions, sentence by sentence)
+            per_sent = ((~pad).sum(1) if pad is not None
+                        else torch.full((x.shape[0],), x.shape[1], device=x.device, dtype=torch.long))
+            self._rows[name] = per_sent.cumsum(0)
         return hook
 
     def _post(self, name: str, mod: nn.Module):
         def hook(router, args, logits):
-            rows = self._rows.pop(name, None)
-            if rows is None or rows.numel() != logits.shape[0]:
+            ends = self._rows.pop(name, None)
+            if ends is None:
                 return
-            with torch.no_grad():
+            with torch.no_grad():  # no host sync: the language of each routed row by searchsorted, on the device
+                sent = torch.searchsorted(ends, torch.arange(logits.shape[0], device=ends.device), right=True)
+                rows = self._langs.to(ends.device)[sent.clamp(max=ends.numel() - 1)]
                 idx = logits.topk(mod.top_k, dim=-1).indices  # the same choice as MoEFeedForward.route
                 flat = (rows[:, None] * mod.num_experts + idx).reshape(-1)
                 c = torch.bincount(flat, minlength=self.n_langs * mod.num_experts)
