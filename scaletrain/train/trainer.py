@@ -155,6 +155,7 @@ class Trainer:
         if self.preempted and self.engine.is_main:  # launch.sh reads it: the launchers exit 1 on a signal
             (Path(self.out_dir) / PREEMPTED_FILE).write_text(json.dumps(
                 {"step": st.step, "checkpoint": str(final), "signal": self.preemption.signal_name}))
+        self._stop_system_metrics(1.0 if self.preempted else None)  # training is over; close() stops it too
         if self.engine.is_main:
             self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
             self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
@@ -284,12 +285,17 @@ class Trainer:
             self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.state.step)
         return base_nll
 
+    def _stop_system_metrics(self, timeout: float | None = None) -> None:
+        """Last sample; waits at most ``timeout`` s (default min(10, end_timeout)) for the server (the samples
+        are journaled for ``tracking sync`` either way)."""
+        if self.system_metrics is not None:
+            self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout) if timeout is None else timeout)
+            self.system_metrics = None
+
     def close(self, status: str = "FINISHED") -> None:
         self.logger.progress.close()
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
-            if self.system_metrics is not None:
-                self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout))
-                self.system_metrics = None
+            self._stop_system_metrics()
             self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
         finally:
             self.preemption.uninstall()
