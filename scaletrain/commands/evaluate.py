@@ -4,7 +4,8 @@
 
 The work is :func:`scaletrain.eval.evaluate.evaluate_checkpoint`; every hypothesis is written under the run
 directory (``RUN/eval/<split>/hyp.<src>-<tgt>.txt``, line-aligned with ``ref.*`` and ``src.*``); the report is printed beside a
-copy-the-source baseline, optionally written as JSON and logged to the training run in MLflow.
+copy-the-source baseline, drawn as per-group BLEU/chrF bars (``RUN/plots/eval_<split>_scores.png`` + ``.json``),
+optionally written as JSON and logged to the training run in MLflow.
 """
 from __future__ import annotations
 
