@@ -1,6 +1,7 @@
 """``build_model``: validate a ``ModelConfig`` and run the builder registered for its arch."""
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence
 
 from torch import nn
@@ -36,9 +37,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str
     (which experts it holds; None = a single process holding every expert)."""
     build = builder(cfg.arch)
     cfg.validate(vocab_size)
-    if moe is None or not moe.enabled():
-        return build(cfg, vocab_size, pieces)
-    moe.validate(cfg)
-    if parallel is not None and parallel.ep_size != moe.ep_size:
+    if moe is not None and parallel is not None and parallel.ep_size != moe.ep_size:
         raise ScaletrainError(f"moe.ep_size={moe.ep_size} but the parallel context has ep_size {parallel.ep_size}")
-    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel))
+    # builders with experts of their own (MoCE) take the parallel context too
+    extra = {"parallel": parallel} if "parallel" in inspect.signature(build).parameters else {}
+    if moe is None or not moe.enabled():
+        return build(cfg, vocab_size, pieces, **extra)
+    moe.validate(cfg)
+    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel), **extra)
