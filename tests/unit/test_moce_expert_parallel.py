@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import run_ranks
+from scaletrain.models import ModelConfig, build_model
+from scaletrain.models.config import ConvConfig, MoEConfig
 from scaletrain.models.convattn import MoCEExperts
 from scaletrain.models.moce_ep import conv_owners, consolidate_owned, load_owned
 from scaletrain.parallel import ParallelContext, build_parallel_context
@@ -71,10 +73,48 @@ def _check(case: str, ctx: ParallelContext, rank: int) -> None:
                 assert plist_ep[j].numel() == 0
 
 
+def _model(moe: MoEConfig, ctx: ParallelContext):
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="moce", d_model=16, n_heads=2, encoder_layers=2, decoder_layers=1, ffn_dim=24,
+                      dropout=0.0, max_positions=32, conv=ConvConfig(kernels=KERNELS, layers=[0, 1]))
+    return build_model(cfg, 20, moe=moe, parallel=ctx)
+
+
+def _check_model(ctx: ParallelContext, rank: int) -> None:
+    """A whole MoCE model with moe.moce_partition: the same loss and gradients as one process."""
+    part = MoEConfig(ep_size=2, moce_partition=True)
+    ref, ep = _model(MoEConfig(), ParallelContext.single()), _model(part, ctx)
+    # moce_partition off (default) with MoE-FFN experts over 2 ranks: every rank holds every conv expert
+    replicated = _model(MoEConfig(num_experts=2, top_k=1, ep_size=2), ctx)
+    conv = [p for n, p in replicated.named_parameters() if ".variant.weights." in n]
+    assert conv and all(p.numel() and getattr(p, "ep_owner", None) is None for p in conv)
+    assert sum(p.numel() for p in ep.parameters()) < sum(p.numel() for p in ref.parameters())
+    g = torch.Generator().manual_seed(rank)
+    src = torch.randint(4, 20, (3, 9), generator=g)
+    tgt = torch.randint(4, 20, (3, 6), generator=g)
+    losses = []
+    for m in (ref, ep):
+        loss = m(src, tgt).float().logsumexp(-1).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0])
+    params = dict(ref.named_parameters())
+    for name, p in ep.named_parameters():
+        g_ref = params[name].grad
+        if getattr(p, "ep_owner", None) is None:
+            torch.testing.assert_close(p.grad, g_ref, msg=name)
+        else:
+            g_ref = g_ref.clone() if g_ref is not None else torch.zeros_like(params[name])
+            dist.all_reduce(g_ref)
+            if p.numel():
+                torch.testing.assert_close(p.grad, g_ref, msg=name)
+
+
 def _worker(rank, world):
     ctx = build_parallel_context(2)
     for case in ("routed top-2", "all to one expert", "rank 1 only padding", "one token"):
         _check(case, ctx, rank)
+    _check_model(ctx, rank)
     # consolidation: the owners' weights, everywhere; load_owned cuts a full state dict back
     ep = _layer(ctx)
     full = consolidate_owned(ep, ctx)
@@ -101,3 +141,11 @@ def test_owners_balance_taps_and_cover_every_rank():
 @pytest.mark.slow
 def test_moce_experts_ep2_equal_one_process():
     run_ranks(_worker, 2)
+
+
+def test_moce_partition_config_is_checked():
+    cfg = ModelConfig(arch="transformer", d_model=16, n_heads=2)
+    with pytest.raises(Exception, match="moe.moce_partition: is true but model.arch is 'transformer'"):
+        MoEConfig(ep_size=2, moce_partition=True).validate(cfg)
+    with pytest.raises(Exception, match="moe.ep_size: is 2 but moe.num_experts is 0 and moe.moce_partition is false"):
+        MoEConfig(ep_size=2).validate(cfg)
