@@ -70,7 +70,7 @@ def fetch_options(data_cfg) -> FetchOptions:
 
 
 class _Transient(Exception):
-    """A failure worth retrying that is not an OSError (short body, pipe exit status)."""
+    """A failure worth retrying that is not an OSError (short range body, pipe exit status)."""
 
 
 def _transient(e: BaseException) -> bool:
@@ -202,11 +202,13 @@ class _MemoryCache:
 
 
 def _check_whole(where: str, shard, size: int, digest: str) -> None:
-    """A whole downloaded shard: a short one is retried; a wrong sha256 stops unless blocks carry checksums."""
+    """A whole fetched shard: a wrong size is corrupt (an interrupted transfer raises before this); a wrong
+    sha256 is corrupt unless its blocks carry checksums (then each block's CRC-32 names the bad ones)."""
     if size != shard.bytes:
-        raise _Transient(f"got {size:,} bytes, the manifest says {shard.bytes:,}")
+        raise CorruptShardError(f"{where}: {size:,} bytes, the manifest says {shard.bytes:,} (truncated, or not the "
+                                "shard the manifest describes)")
     if digest != shard.sha256:
-        if shard.blocks.has_checksums:  # each block's CRC-32 names the bad blocks when they are read
+        if shard.blocks.has_checksums:
             log.warning("%s: sha256 differs from the manifest; its blocks are checked one by one", where)
         else:
             raise CorruptShardError(f"{where}: sha256 differs from the manifest (corrupt shard)")
@@ -259,10 +261,13 @@ class HttpSource:
         def get():
             h, n = hashlib.sha256(), 0
             with self._get(url) as r, open(tmp, "wb") as f:
+                expected = r.headers.get("Content-Length")
                 while chunk := r.read(_CHUNK):
                     h.update(chunk)
                     f.write(chunk)
                     n += len(chunk)
+            if expected is not None and n != int(expected):  # the connection ended early
+                raise _Transient(f"connection closed after {n:,} of {int(expected):,} bytes")
             _check_whole(url, shard, n, h.hexdigest())
         with_retries(url, get, self.opts)
 
