@@ -142,3 +142,38 @@ def test_bad_on_corrupt_value(shards):
 
     with pytest.raises(ScaletrainError, match="on_corrupt must be stop or skip"):
         ShardStream(shards, "train", on_corrupt="ignore", **KW)
+
+
+def test_skip_count_survives_a_resume_inside_the_bad_window(shards):
+    flip_text(shards)
+    s = ShardStream(shards, "train", on_corrupt="skip", **KW)
+    it = iter(s)
+    states = []
+    for _ in it:
+        states.append(s.state_dict())
+        if s.skipped_blocks:
+            break
+    state = states[-1]
+    assert state["batch"] > 0 and state["skipped_total"] == 1  # still inside the window holding the bad block
+    r = ShardStream(shards, "train", on_corrupt="skip", **KW)
+    r.load_state_dict(state)
+    assert sum(1 for _ in r) > 0 and r.skipped_blocks == 1  # the window is planned again, not counted twice
+
+
+def test_skip_count_from_a_worker_process(shards):
+    flip_text(shards)
+    ld = ShardLoader(shards, "train", on_corrupt="skip", num_workers=1, **KW)
+    assert sum(1 for _ in ld) > 0 and ld.skipped_blocks == 1
+
+
+def test_config_keys_validated():
+    from scaletrain.config import load_config
+    from scaletrain.errors import ScaletrainError
+
+    cfg = load_config("small", ["data.on_corrupt=skip", "data.cache_dir=/tmp/x", "data.fetch_retries=0"])
+    assert cfg.data.on_corrupt == "skip"
+    for bad, key in (("data.on_corrupt=ignore", "data.on_corrupt"), ("data.fetch_retries=-1", "data.fetch_retries"),
+                     ("data.fetch_timeout=0", "data.fetch_timeout"), ("data.cache_max_gb=-2", "data.cache_max_gb"),
+                     ("data.fetch_max_seconds=0", "data.fetch_max_seconds")):
+        with pytest.raises(ScaletrainError, match=f"config key '{key}'"):
+            load_config("small", [bad])
