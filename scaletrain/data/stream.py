@@ -191,20 +191,20 @@ class _TokBlock:
 
 class _Dropped:
     """A corrupt block skipped with ``on_corrupt=skip``: the lengths of its header (what every rank plans
-    with; none when the header itself is bad) and placeholder text that no batch ever takes."""
+    with; none when the header itself is bad) and no text (``_Pool`` gives its examples length 0 and marks
+    them dropped: no batch ever takes them)."""
 
     dropped = True
+    src_data = tgt_data = b""
+    src_ids = tgt_ids = np.zeros(0, np.int32)
 
     def __init__(self, h=None):
         z16, z32 = np.zeros(0, np.uint16), np.zeros(0, np.uint32)
         self.src_lang, self.tgt_lang = (z16, z16) if h is None else (h.src_lang, h.tgt_lang)
         self.src_len, self.tgt_len = (z32, z32) if h is None else (h.src_len, h.tgt_len)
-        self.set_lengths(self.src_len, self.tgt_len)
 
     def set_lengths(self, s, t) -> "_Dropped":
         self.src_len, self.tgt_len = s, t
-        self.src_data, self.tgt_data = bytes(int(s.sum())), bytes(int(t.sum()))
-        self.src_ids, self.tgt_ids = np.zeros(int(s.sum()), np.int32), np.zeros(int(t.sum()), np.int32)
         return self
 
     def __len__(self) -> int:
@@ -226,8 +226,10 @@ class _Pool:
         cat = lambda arrs, dt: np.concatenate(arrs).astype(dt, copy=False) if arrs else np.zeros(0, dt)  # noqa: E731
         self.src_lang = cat([b.src_lang for b in blocks], np.int64)
         self.tgt_lang = cat([b.tgt_lang for b in blocks], np.int64)
-        self.src_len = cat([b.src_len for b in blocks], np.int64)
-        self.tgt_len = cat([b.tgt_len for b in blocks], np.int64)
+        # the text lengths within the pool's data (a dropped block has none; its plan lengths come from its header)
+        text_len = lambda b, x: np.zeros(len(b), np.int64) if getattr(b, "dropped", False) else x  # noqa: E731
+        self.src_len = cat([text_len(b, b.src_len) for b in blocks], np.int64)
+        self.tgt_len = cat([text_len(b, b.tgt_len) for b in blocks], np.int64)
         if tokens:  # subword ids, tokenized once per window
             self.src_data = cat([b.src_ids for b in blocks], np.int32)
             self.tgt_data = cat([b.tgt_ids for b in blocks], np.int32)
