@@ -483,7 +483,8 @@ def load_manifest(shard_dir) -> Manifest:
     if not isinstance(d, dict):
         raise ScaletrainError(f"{where}: corrupt manifest (top level is not an object); re-run `prepare`")
     m = Manifest.from_dict(d, where)
-    m.root = Path(shard_dir) if isinstance(shard_dir, (str, Path)) and not is_remote(shard_dir) else None
+    local = isinstance(shard_dir, (str, Path)) and not is_remote(shard_dir)
+    m.root = Path(shard_dir) if local else getattr(shard_dir, "root", None)  # a LocalSource has its directory
     return m
 
 

@@ -168,6 +168,12 @@ class ShardCache:
         self._evict(keep=final)
 
     def _evict(self, keep: Path) -> None:
+        for p in self.root.glob(".*.tmp-*"):  # left by a process killed mid-download (an hour is generous)
+            try:
+                if time.time() - p.stat().st_mtime > 3600:
+                    p.unlink()
+            except FileNotFoundError:
+                pass
         files = []
         for p in self.root.glob("*.tar"):
             try:

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from helpers import cli
 from shard_server import ShardServer
 
 from scaletrain.data.inspect_shards import data_stats, verify
@@ -41,7 +42,9 @@ def test_url_stream_equals_the_local_stream_on_every_rank(served, django_shards)
         local = list(ShardStream(django_shards, "train", rank=rank, world_size=2, **KW))
         same(list(ShardStream(url, "train", rank=rank, world_size=2, fetch=FAST, **KW)), local)
     assert srv.counter["ranges"] > 0  # one range request per block (headers of the other rank's blocks too)
-    same(list(ShardLoader(url + "/", "train", fetch=FAST, **KW)), list(ShardStream(django_shards, "train", **KW)))
+    want = list(ShardStream(django_shards, "train", **KW))
+    same(list(ShardLoader(url + "/", "train", fetch=FAST, **KW)), want)
+    same(list(ShardLoader(url, "train", fetch=FAST, num_workers=1, **KW)), want)  # a worker process fetches
 
 
 def test_exact_resume_from_a_url(served, django_shards):
@@ -141,6 +144,8 @@ def test_http_cache_and_corrupt_block_named_by_url(served, django_shards, tmp_pa
 def test_data_stats_and_verify_take_urls(served, django_shards):
     _, root, url = served
     assert data_stats(url) == data_stats(django_shards)
+    p = cli("data", "verify", url)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
     rep = verify(url)
     assert rep.ok and rep.blocks == verify(django_shards).blocks
     pipe = verify(f"pipe:cat {root}/{{name}}")
