@@ -163,7 +163,8 @@ def _parse_header(buf: bytes, where: str) -> tuple[int, int]:
     if version != BLOCK_VERSION:
         raise CorruptShardError(f"{where}: block format version {version}, this scaletrain reads {BLOCK_VERSION}")
     if flags & ~_KNOWN_FLAGS or bin(flags & _LEN_FLAGS).count("1") > 1:
-        raise CorruptShardError(f"{where}: unknown block flags {flags:#x}; the shard is corrupt or from a newer scaletrain")
+        raise CorruptShardError(f"{where}: unknown block flags {flags:#x}; the shard is corrupt or from a newer "
+                                "scaletrain")
     return int(np.frombuffer(buf, dtype="<u4", count=1, offset=8)[0]), flags
 
 
