@@ -43,7 +43,7 @@ import numpy as np
 
 import scaletrain
 from scaletrain.data.example import Example
-from scaletrain.data.sources import as_source, is_remote
+from scaletrain.data.sources import LocalSource, as_source, is_remote
 from scaletrain.errors import CorruptShardError, ScaletrainError
 from scaletrain.fileio import atomic_write_bytes, sha256_bytes
 
@@ -464,6 +464,8 @@ class Manifest:
 def load_manifest(shard_dir) -> Manifest:
     """Read ``shard_dir/manifest.json`` (a directory, URL or ``pipe:`` spec, or a source); missing or corrupt ->
     ScaletrainError naming the file."""
+    if isinstance(shard_dir, LocalSource):
+        shard_dir = shard_dir.root
     if is_remote(shard_dir) or not isinstance(shard_dir, (str, Path)):
         src = as_source(shard_dir)
         where = src.where(MANIFEST)
@@ -484,8 +486,7 @@ def load_manifest(shard_dir) -> Manifest:
     if not isinstance(d, dict):
         raise ScaletrainError(f"{where}: corrupt manifest (top level is not an object); re-run `prepare`")
     m = Manifest.from_dict(d, where)
-    local = isinstance(shard_dir, (str, Path)) and not is_remote(shard_dir)
-    m.root = Path(shard_dir) if local else getattr(shard_dir, "root", None)  # a LocalSource has its directory
+    m.root = Path(shard_dir) if isinstance(shard_dir, (str, Path)) and not is_remote(shard_dir) else None
     return m
 
 

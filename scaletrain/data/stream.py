@@ -317,6 +317,7 @@ class ShardStream:
         self.on_corrupt = on_corrupt
         self._n_langs = len(self.manifest.languages)
         self._skipped_done = 0  # corrupt blocks skipped in the windows before the current one
+        self._plan_skips = 0  # ... while making the current plan
         if not self.manifest.block_checksums and str(shard_dir) not in _UNCHECKED_WARNED:
             _UNCHECKED_WARNED.add(str(shard_dir))
             log.warning("%s: the manifest has no per-block checksums (format < 3): blocks are not verified while "
@@ -594,7 +595,9 @@ class ShardStream:
         return cfg
 
     def state_dict(self) -> dict:
-        """Small and JSON-able; identical on every rank (ranks move in lockstep)."""
+        """Small and JSON-able; identical on every rank (ranks move in lockstep) but for the counts of corrupt
+        blocks skipped (``skipped_blocks``: in the windows before the current one, what a resume starts from;
+        ``skipped_total``: the current window's too)."""
         return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window, "batch": self._batch,
                 "config": self._config(), "skipped_blocks": self._skipped_done, "skipped_total": self.skipped_blocks}
 
