@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import tarfile
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -683,12 +684,23 @@ def iter_shard_blocks(path: str | Path) -> Iterator[tuple[str, PairBlock]]:
         raise ScaletrainError(f"cannot read shard {path}: {e} (corrupt or truncated?)") from None
 
 
-def read_split(shard_dir: str | Path, split: str) -> list[Example]:
-    """Every example of a split, in manifest order (shards, blocks, examples): for evaluation."""
-    m = load_manifest(shard_dir)
-    info = m.split(split)
-    out: list[Example] = []
-    for sh in info.shards:
+def iter_split(shard_dir, split: str, on_corrupt: str = "stop") -> Iterator[Example]:
+    """Every example of a split, in manifest order (shards, blocks, examples), read block by block (a reader
+    that stops early reads no more). ``on_corrupt="skip"``: a corrupt block is left out with a warning."""
+    src = as_source(shard_dir)
+    m = load_manifest(src if is_remote(shard_dir) or not isinstance(shard_dir, (str, Path)) else shard_dir)
+    for sh in m.split(split).shards:
         for b in sh.blocks:
-            out.extend(read_block(shard_dir, sh, b).examples())
-    return out
+            try:
+                blk = read_block(src, sh, b, n_langs=len(m.languages))
+            except CorruptShardError as e:
+                if on_corrupt != "skip":
+                    raise
+                logging.getLogger(__name__).warning("skipping a corrupt block (data.on_corrupt=skip): %s", e)
+                continue
+            yield from blk.examples()
+
+
+def read_split(shard_dir, split: str, on_corrupt: str = "stop") -> list[Example]:
+    """Every example of a split, in manifest order (shards, blocks, examples): for evaluation."""
+    return list(iter_split(shard_dir, split, on_corrupt))

@@ -244,7 +244,8 @@ class Trainer:
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
-        base_nll = unigram_nll(cfg.data.shards, vocab=self.vocab) if eng.is_main else 0.0
+        shards = open_source(cfg.data.shards, fetch_options(cfg.data))  # a directory, URL or pipe: command
+        base_nll = unigram_nll(shards, vocab=self.vocab, on_corrupt=cfg.data.on_corrupt) if eng.is_main else 0.0
         base_nll = eng.broadcast_object(base_nll)
         if eng.is_main:
             n_params = self.param_counts.get("total", 0)
