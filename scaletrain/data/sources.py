@@ -220,11 +220,26 @@ def _check_whole(where: str, shard, size: int, digest: str) -> None:
             raise CorruptShardError(f"{where}: sha256 differs from the manifest (corrupt shard)")
 
 
-class HttpSource:
+class _RemembersCorrupt:
+    """Whole shards found corrupt are remembered: their other blocks fail at once instead of fetching again."""
+
+    def _whole(self, shard, read):
+        bad = self.corrupt.get(shard.name)
+        if bad is not None:
+            raise CorruptShardError(bad)
+        try:
+            return read()
+        except CorruptShardError as e:
+            self.corrupt[shard.name] = str(e)
+            raise
+
+
+class HttpSource(_RemembersCorrupt):
     """Shards under an ``http(s)://`` base URL: a Range request per block, or whole shards into a cache."""
 
     def __init__(self, base: str, opts: FetchOptions):
         self.base, self.opts = base.rstrip("/"), opts
+        self.corrupt: dict[str, str] = {}
         self.cache = ShardCache(opts.cache_dir, int(opts.cache_max_gb * 2**30)) if opts.cache_dir else None
 
     def where(self, name: str) -> str:
@@ -243,7 +258,7 @@ class HttpSource:
 
     def read(self, shard, offset: int, size: int) -> bytes:
         if self.cache is not None:
-            return self.cache.read(shard, offset, size, lambda tmp: self._download(shard, tmp))
+            return self._whole(shard, lambda: self.cache.read(shard, offset, size, lambda t: self._download(shard, t)))
         url = self.where(shard.name)
 
         def get():
@@ -278,11 +293,12 @@ class HttpSource:
         with_retries(url, get, self.opts)
 
 
-class PipeSource:
+class PipeSource(_RemembersCorrupt):
     """``pipe:COMMAND`` with ``{name}``: each file is the command's stdout; shards are fetched whole."""
 
     def __init__(self, spec: str, opts: FetchOptions):
         self.template, self.opts = spec[len(PIPE_PREFIX):].strip(), opts
+        self.corrupt: dict[str, str] = {}
         if "{name}" not in self.template:
             raise ScaletrainError(f"data.shards {spec!r}: a pipe: command needs {{name}} where the file name goes, "
                                   "e.g. 'pipe:curl -fsS https://host/shards/{name}'")
@@ -319,8 +335,9 @@ class PipeSource:
 
     def read(self, shard, offset: int, size: int) -> bytes:
         if self.cache is not None:
-            return self.cache.read(shard, offset, size, lambda tmp: tmp.write_bytes(self._fetch(shard)))
-        return self.memory.read(shard, offset, size, lambda: self._fetch(shard))
+            return self._whole(shard, lambda: self.cache.read(shard, offset, size,
+                                                              lambda tmp: tmp.write_bytes(self._fetch(shard))))
+        return self._whole(shard, lambda: self.memory.read(shard, offset, size, lambda: self._fetch(shard)))
 
 
 _SOURCES: dict = {}

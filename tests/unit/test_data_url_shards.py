@@ -115,8 +115,17 @@ def test_pipe_shard_with_a_wrong_size_is_named(django_shards, tmp_path):
     shutil.copytree(django_shards, d)
     name = load_manifest(d).split("train").shards[0].name
     (d / name).write_bytes((d / name).read_bytes()[:-1000])
+    spec = f"pipe:cat {d}/{{name}}"
     with pytest.raises(CorruptShardError, match=rf"pipe:cat .*{name}: .* bytes, the manifest says"):
-        list(ShardStream(f"pipe:cat {d}/{{name}}", "train", **KW))
+        list(ShardStream(spec, "train", **KW))
+    # skip: every block of that shard is left out, the shard is fetched once (then remembered as corrupt)
+    s = ShardStream(spec, "train", on_corrupt="skip", fetch=FetchOptions(retries=1), **KW)
+    calls = []
+    run = s.source._run
+    s.source._run = lambda n: calls.append(n) or run(n)
+    assert len(list(s)) > 0
+    shard0 = load_manifest(d).split("train").shards[0]
+    assert s.skipped_blocks == shard0.n_blocks and calls.count(name) == 1
 
 
 def test_http_cache_and_corrupt_block_named_by_url(served, django_shards, tmp_path):
