@@ -25,7 +25,7 @@ from scaletrain.models.config import ModelConfig, MoEConfig
 
 @dataclass
 class DataConfig:
-    shards: str = "shards/django"  # a directory written by `scaletrain prepare`
+    shards: str = "shards/django"  # a directory written by `scaletrain prepare`, an http(s):// URL or pipe:CMD {name}
     max_tokens: int = 4096  # token budget per micro-batch per rank: padded src + tgt tokens
     max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
     buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
@@ -37,6 +37,13 @@ class DataConfig:
     # caps TOKENS per side and max_tokens counts padded subword tokens
     tokenizer: str = "byte"
     spm_vocab_size: int = 0  # which of the shard directory's SentencePiece models (0 = the only one)
+    on_corrupt: str = "stop"  # a block failing its CRC-32 / language check: stop (one line) | skip (logged, counted)
+    # URL / pipe: shards (scaletrain.data.sources): retries with backoff, per-request timeout, whole-shard cache
+    fetch_retries: int = 8
+    fetch_max_seconds: float = 300.0
+    fetch_timeout: float = 30.0
+    cache_dir: str = ""  # "" = no disk cache (HTTP: a range request per block; pipe: shards in memory)
+    cache_max_gb: float = 4.0
 
 
 @dataclass
@@ -405,6 +412,13 @@ def validate(cfg: Config) -> None:
         bad("data.buffer_size", "must be >= 1")
     if cfg.data.tokenizer not in ("byte", "spm"):
         bad("data.tokenizer", f"must be byte or spm, got {cfg.data.tokenizer!r}")
+    if cfg.data.on_corrupt not in ("stop", "skip"):
+        bad("data.on_corrupt", f"must be stop or skip, got {cfg.data.on_corrupt!r}")
+    if cfg.data.fetch_retries < 0:
+        bad("data.fetch_retries", "must be >= 0")
+    for k in ("fetch_max_seconds", "fetch_timeout", "cache_max_gb"):
+        if getattr(cfg.data, k) <= 0:
+            bad(f"data.{k}", "must be > 0")
     if cfg.data.spm_vocab_size < 0:
         bad("data.spm_vocab_size", "must be >= 0 (0 = the shard directory's only SentencePiece model)")
     if cfg.data.spm_vocab_size and cfg.data.tokenizer != "spm":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from scaletrain.data.sources import fetch_options
 from scaletrain.data.stream import ShardStream
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.unit import StepOutput, TranslationUnit, validation_loss
@@ -205,7 +206,8 @@ class Evaluator:
     def validation_loss(self) -> float:
         d, eng = self.cfg.data, self.engine
         stream = ShardStream(d.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
-                             max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab)
+                             max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab,
+                             on_corrupt=d.on_corrupt, fetch=fetch_options(d))
         v = validation_loss(eng, self.unit, stream, self.cfg.train.valid_max_batches)
         self.state.valid_history.append((self.state.step, v))
         if eng.is_main:

@@ -21,6 +21,7 @@ import torch
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.shards import load_manifest
+from scaletrain.data.sources import fetch_options, open_source
 from scaletrain.data.stream import ShardLoader
 from scaletrain.engine import Engine, build_engine
 from scaletrain.models import build_model, count_parameters
@@ -64,7 +65,7 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
-        self.manifest = load_manifest(cfg.data.shards)
+        self.manifest = load_manifest(open_source(cfg.data.shards, fetch_options(cfg.data)))
         self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
                                 vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
@@ -75,6 +76,7 @@ class Trainer:
             cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=cfg.data.num_workers,
             seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
             buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
+            on_corrupt=cfg.data.on_corrupt, fetch=fetch_options(cfg.data),
         )
         self.out_dir = cfg.out_dir
         tc = cfg.train
@@ -143,6 +145,10 @@ class Trainer:
     def _finish(self, baseline: float) -> TrainResult:
         st = self.state
         self.logger.progress.close()
+        skipped = getattr(self.stream, "skipped_blocks", 0)
+        if skipped:
+            log.warning("rank %d skipped %d corrupt shard block(s) (data.on_corrupt=skip; see the warnings above)",
+                        self.engine.rank, skipped)
         if self.preempted:  # no validation: the grace period is for the checkpoint
             self.preemption.cancel_grace()
             if self.engine.is_main:
@@ -276,7 +282,8 @@ class Trainer:
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
-        base_nll = unigram_nll(cfg.data.shards, vocab=self.vocab) if eng.is_main else 0.0
+        shards = open_source(cfg.data.shards, fetch_options(cfg.data))  # a directory, URL or pipe: command
+        base_nll = unigram_nll(shards, vocab=self.vocab, on_corrupt=cfg.data.on_corrupt) if eng.is_main else 0.0
         base_nll = eng.broadcast_object(base_nll)
         if eng.is_main:
             n_params = self.param_counts.get("total", 0)
