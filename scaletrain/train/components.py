@@ -68,6 +68,19 @@ class ProgressDisplay:
         if self.bar is not None:
             self.bar.update(1)
 
+    @contextlib.contextmanager
+    def task(self, total: int, desc: str):
+        """A second, transient line for a long task inside training (in-training BLEU decoding): yields
+        ``advance(n)``; nothing is shown when the training line is not."""
+        if self.bar is None:
+            yield lambda n: None
+            return
+        from tqdm import tqdm
+
+        with tqdm(total=total, desc=desc, unit="line", file=sys.stdout, leave=False, position=1,
+                  mininterval=0.5, dynamic_ncols=True) as sub:
+            yield sub.update
+
     def report(self, loss: float, tokens_per_s: float, eta_s: float) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_s:,.0f} tok/s, eta {fmt_secs(eta_s)}",
@@ -187,6 +200,7 @@ class Evaluator:
                  build_model: Callable):
         self.cfg, self.engine, self.unit, self.vocab, self.state = cfg, engine, unit, vocab, state
         self.tracker, self.build_model = tracker, build_model
+        self.progress: ProgressDisplay | None = None  # the trainer's display, for in-training BLEU's own line
         tc = cfg.train
         self.bleu = None
         if tc.bleu_every:
@@ -218,7 +232,10 @@ class Evaluator:
     def bleu_scores(self) -> dict[str, float]:
         eng = self.engine
         model = eng.inference_module(self.build_model)  # collective where parameters are partitioned
-        res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size)  # collective (all_gather_object)
+        shown = self.progress or ProgressDisplay(False, 0, 0)
+        with shown.task(len(self.bleu.share(eng.rank, eng.world_size)), "valid BLEU (rank 0's lines)") as advance:
+            res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size,  # collective (all_gather_object)
+                                progress=advance)
         del model
         self.unit.routing(reset=True)
         eng.train(True)

@@ -119,6 +119,7 @@ class Trainer:
         self.clock.start()
         self.logger.start()
         self.logger.progress = ProgressDisplay.for_run(self.cfg, eng, st)  # closed by _finish / close
+        self.evaluator.progress = self.logger.progress
         while st.step < self.cfg.train.max_steps:
             t_wait = time.perf_counter()
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]

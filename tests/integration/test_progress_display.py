@@ -52,6 +52,10 @@ def test_progress_line_at_a_terminal_and_not_when_switched_off(django_shards, tm
     line = text[text.rindex("6/6 steps"):].splitlines()[0]
     assert "loss " in line and "tok/s" in line and "eta 0:00:00" in line, line
     assert "step      6 | loss" in text  # the log lines still print (above the bar)
+    # in-training BLEU validation shows its own line while it decodes
+    bleu = _train_on_a_terminal(django_shards, tmp_path / "bleu", "train.bleu_every=3", "eval.valid_lines=2",
+                                "eval.max_len_b=8")
+    assert "valid BLEU (rank 0's lines)" in bleu and "valid BLEU " in bleu, bleu[-2000:]
     off = _train_on_a_terminal(django_shards, tmp_path / "off", "tracking.progress=false")
     assert "steps |" not in off and "step      6 | loss" in off
 
