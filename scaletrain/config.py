@@ -30,7 +30,9 @@ class DataConfig:
     max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
     buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
     seed: int = 1
-    num_workers: int = 0  # DataLoader worker processes per rank feeding the stream (0 = in the training process)
+    # DataLoader worker processes per rank feeding the stream (0 = in the training process); auto: 2 for remote
+    # shards or on an accelerator with >= 4 host cores per rank, else 0 (scaletrain.data.stream.auto_num_workers)
+    num_workers: int | str = "auto"
     temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
     # byte (default) | spm: the subword baseline, a SentencePiece BPE model stored beside the shards
     # (`prepare --spm-vocab-size N` or `scaletrain data spm DIR --vocab-size N`); with spm, max_bytes
@@ -160,7 +162,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], key)
+        for a in args[:-1]:  # the first type that takes the value (int | str: 2 stays an integer)
+            try:
+                return _coerce(value, a, key)
+            except ScaletrainError:
+                pass
+        return _coerce(value, args[-1], key)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -404,8 +411,9 @@ def validate(cfg: Config) -> None:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
     if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):
         bad("data.max_tokens", problem)
-    if cfg.data.num_workers < 0:
-        bad("data.num_workers", "must be >= 0")
+    nw = cfg.data.num_workers
+    if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 0):
+        bad("data.num_workers", f"must be auto or an integer >= 0, got {nw!r}")
     if cfg.data.temperature <= 0:
         bad("data.temperature", "must be > 0 (1 = proportional sampling)")
     if cfg.data.buffer_size < 1:

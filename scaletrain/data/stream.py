@@ -709,6 +709,25 @@ def _unpack_chunk(packed) -> list[Batch]:
     return out
 
 
+def auto_num_workers(device_type: str, shards, local_ranks: int, cores: int) -> tuple[int, str]:
+    """``data.num_workers: auto``: (workers per rank, why). Workers pay where the training process would
+    otherwise wait for data that other processes can prepare meanwhile: on an accelerator whose host has
+    spare cores (at least 4 per local rank), and for remote shards (``http(s)://`` / ``pipe:``), whose
+    reads wait on the network, not on a core. On a CPU-only host every core already trains (one torch
+    thread per core), so workers compete with the model for the same cores: in process there
+    (``benchmarks/bench_loader_workers.py``)."""
+    from scaletrain.data.sources import is_remote
+
+    per_rank = cores // max(1, local_ranks)
+    if is_remote(shards):
+        return 2, "shards are remote: workers overlap the network reads with training"
+    if device_type != "cpu" and per_rank >= 4:
+        return 2, f"{device_type} training with {per_rank} host cores per rank"
+    if device_type == "cpu":
+        return 0, "CPU training uses every core; workers would compete with it"
+    return 0, f"only {per_rank} host core(s) per rank"
+
+
 class ShardLoader:
     """``ShardStream`` served by ``num_workers`` DataLoader worker processes, exactly resumable.
 

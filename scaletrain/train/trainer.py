@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import fetch_options, open_source
-from scaletrain.data.stream import ShardLoader
+from scaletrain.data.stream import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
@@ -73,7 +74,7 @@ class Trainer:
         self.param_counts = count_parameters(model)
         eng.setup(model)
         self.stream = stream if stream is not None else ShardLoader(
-            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=cfg.data.num_workers,
+            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=self._num_workers(),
             seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
             buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
             on_corrupt=cfg.data.on_corrupt, fetch=fetch_options(cfg.data),
@@ -95,6 +96,16 @@ class Trainer:
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.preempted = False
         self.system_metrics = None  # NodeSystemMetrics on each node's local rank 0 (fit)
+
+    def _num_workers(self) -> int:
+        nw = self.cfg.data.num_workers
+        if nw != "auto":
+            return int(nw)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        n, why = auto_num_workers(self.engine.device.type, self.cfg.data.shards, local, os.cpu_count() or 1)
+        if self.engine.is_main:
+            log.info("data.num_workers auto -> %d: %s", n, why)
+        return n
 
     def build_model(self) -> torch.nn.Module:
         moe = self.cfg.moe
