@@ -546,6 +546,24 @@ class Tracker:
             raise AssertionError(kind)
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def unreachable(self, timeout: float = 5.0) -> str | None:
+        """Why an ``http(s)://`` tracking server does not answer its ``/health`` endpoint within ``timeout``
+        seconds (one phrase), or None (answers, or a local store). MLflow's own client would retry for
+        minutes before failing."""
+        if not self.uri.startswith(("http://", "https://")):
+            return None
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.uri.rstrip('/')}/health", timeout=timeout) as r:
+                return None if r.status == 200 else f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}"
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            return f"{type(reason).__name__}: {reason}"
+
     def start(self, params: Mapping[str, Any] | Any | None = None, tags: Mapping[str, Any] | None = None) -> str | None:
         """Create the run (main rank); log ``params`` (nested config, flattened with dotted keys) and
         ``tags``. Returns the run id (None on other ranks until :meth:`sync_run_id`)."""
@@ -553,6 +571,10 @@ class Tracker:
             return None
         if self.run_id is not None:
             raise ScaletrainError(f"tracking: run {self.run_id} already started")
+        if why := self.unreachable():  # nothing is lost yet: say so now, not after minutes of retries
+            raise ScaletrainError(
+                f"tracking server {self.uri} is unreachable at the start of the job ({why}); start it, or train "
+                "with a local store (tracking.uri=sqlite:///mlruns.db) or tracking.enabled=false")
         eid = self._experiment_id()
         run = self.client.create_run(eid, run_name=self.run_name, tags={k: str(v) for k, v in (tags or {}).items()})
         self.run_id = run.info.run_id
@@ -570,6 +592,15 @@ class Tracker:
             return run_id
         from mlflow.exceptions import MlflowException
 
+        if why := self.unreachable():
+            # a resumed job (e.g. requeued after preemption) must not wait for the server: the run exists
+            # there already, so everything goes to the journal and the sender delivers it when it is back
+            log.warning("tracking server %s unreachable at resume (%s): training continues; run %s gets "
+                        "the metrics when the server is back (or by `scaletrain tracking sync`)",
+                        self.uri, why, run_id)
+            self.run_id, self._ended = run_id, False
+            self._open_local("resume")
+            return self.run_id
         try:
             run = self.client.get_run(run_id)
         except MlflowException as e:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from mlflow import MlflowClient
-from tracking_server import Server  # tests/integration/tracking_server.py
+from tracking_server import Server, _free_port  # tests/integration/tracking_server.py
 
 from scaletrain import tracking as T
 
@@ -122,3 +122,32 @@ def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_
     run = c.get_run(rid)
     assert run.info.status == "FINISHED" and run.data.metrics["train/steps"] == steps
     assert "config.yaml" in {a.path for a in c.list_artifacts(rid)}
+
+
+def test_unreachable_server_fails_fast_at_start_and_is_waited_for_at_resume(server, tmp_path):
+    """A new job whose server does not answer stops in seconds with one line (nothing logged yet, instead
+    of minutes of MLflow retries); a resumed job (its run exists) trains on and its metrics reach the
+    server once it is back."""
+    dead = T.Tracker(f"http://127.0.0.1:{_free_port()}", "outage", "r", True, tmp_path, local_dir=tmp_path / "dead")
+    t0 = time.monotonic()
+    with pytest.raises(T.ScaletrainError, match="unreachable at the start of the job"):
+        dead.start(params={"a": 1})
+    assert time.monotonic() - t0 < 15
+    first = T.Tracker(server.uri, "outage", "r", True, tmp_path, flush_every=1, local_dir=tmp_path / "a",
+                      max_backoff=1.0, end_timeout=60)
+    rid = first.start(params={"a": 1})
+    first.log_metrics({"loss": 0.0}, step=0)
+    assert first.end("KILLED")  # preempted
+    server.stop()
+    again = T.Tracker(server.uri, "outage", "r", True, tmp_path, flush_every=1, local_dir=tmp_path / "b",
+                      max_backoff=1.0, end_timeout=60)
+    t0 = time.monotonic()
+    assert again.resume(rid) == rid
+    for s in range(1, 6):
+        again.log_metrics({"loss": float(s)}, step=s)
+    assert time.monotonic() - t0 < 15  # neither the resume nor the logging waited for the server
+    server.start()
+    assert again.end("FINISHED")
+    client = MlflowClient(server.uri)
+    assert _history(client, rid, "loss") == [(s, float(s)) for s in range(6)]
+    assert client.get_run(rid).info.status == "FINISHED"
