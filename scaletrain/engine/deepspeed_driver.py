@@ -15,6 +15,7 @@ import torch
 from scaletrain.engine.base import StepInfo
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel.grads import ExpertParallelGrads
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -56,11 +57,26 @@ class DeepSpeedDriver:
 
     ``scheduler``: an LR scheduler DeepSpeed does not own (Accelerate hands DeepSpeed only its own
     scheduler types); it is stepped here once per update that was not skipped.
+
+    Expert parallelism (a model built with moe.ep_size > 1; ZeRO-0, fp32 only, ``ds_config``):
+    DeepSpeed would average every gradient over the whole world, expert gradients included. Its
+    backward all-reduce is switched off; at the update the driver averages the dense gradients over
+    the world, sums expert gradients over the expert-data-parallel group / W and clips with the norm
+    that counts each expert once (``scaletrain.parallel.grads``; the JSON's gradient_clipping is 0
+    then). DeepSpeed's own MoE path (``allreduce=False`` params, ``deepspeed.utils.groups``, expert
+    groups sharded by ZeRO-1/2) switches on only for its ``deepspeed.moe.layer.MoE`` modules.
     """
 
-    def __init__(self, ds_engine, scheduler=None):
+    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0):
         self.e = ds_engine
         self.scheduler = scheduler
+        self.ep = ExpertParallelGrads(ds_engine.module)
+        self.clip_norm = clip_norm
+        if self.ep.active:
+            if ds_engine.zero_optimization_stage() != 0 or ds_engine.fp16_enabled() or ds_engine.bfloat16_enabled():
+                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0 in fp32 (README, 'Expert "
+                                      "parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
+            ds_engine.enable_backward_allreduce = False
         # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the
         # plain fp32 path it clips but discards the norm, so we measure it ourselves there.
         e = ds_engine
@@ -95,7 +111,11 @@ class DeepSpeedDriver:
 
     def step(self) -> StepInfo:
         before = self._skipped()
-        own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
+        if self.ep.active:
+            self.ep.reduce(dense=True)
+            own = self.ep.clip(self.clip_norm)
+        else:
+            own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
         self.e.step()
         norm = own if own is not None else self.e.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
@@ -116,6 +136,10 @@ class DeepSpeedDriver:
         import deepspeed
 
         mod = self.e.module
+        if self.ep.active:  # every expert of every layer, gathered over the EP group
+            from scaletrain.parallel.state import consolidate_state_dict
+
+            return {k: v.float().cpu().clone() for k, v in consolidate_state_dict(mod, self.ep.ctx).items()}
         if not self.partitioned():
             return {k: v.detach().float().cpu().clone() for k, v in mod.state_dict().items()}
         with deepspeed.zero.GatheredParameters(list(mod.parameters()), modifier_rank=None):

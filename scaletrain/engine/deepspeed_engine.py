@@ -13,6 +13,7 @@ from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deeps
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
+from scaletrain.parallel.grads import ExpertParallelGrads
 
 
 class DeepSpeedEngine(Engine):
@@ -42,11 +43,15 @@ class DeepSpeedEngine(Engine):
         model = prepare_model(model, self.cfg)
         optimizer = build_optimizer(model, self.cfg)
         scheduler = build_scheduler(optimizer, self.cfg)
+        ep = ExpertParallelGrads(model)
+        experts = ep.snapshot() if ep.active else None
         engine, _, _, _ = self._ds.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             dist_init_required=False,
         )
-        self.driver = DeepSpeedDriver(engine)
+        if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
+            ep.restore(experts)
+        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm))
         self.device = self.driver.device
 
     @property

@@ -57,6 +57,8 @@ def load_ds_config(cfg, world_size: int) -> dict:
                 f"remove it from the JSON (or set it to \"auto\") and change {ours_key[k].split(' ')[0]} instead"
             )
         ds[k] = v
+    if getattr(cfg.moe, "ep_size", 1) > 1:  # expert parallelism: the driver clips with the EP-aware norm
+        ds["gradient_clipping"] = 0.0
     prec = cfg.engine.precision
     for section, want in (("bf16", prec == "bf16"), ("fp16", prec == "fp16")):
         sec = ds.get(section)
@@ -75,6 +77,16 @@ def load_ds_config(cfg, world_size: int) -> dict:
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ScaletrainError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    ep = getattr(cfg.moe, "ep_size", 1)
+    if ep > 1 and (stage != 0 or prec != "fp32"):
+        # ZeRO-1/2 partition the optimizer state of a parameter group over the whole world, which is only
+        # right for replicated parameters; DeepSpeed shards expert groups over the expert-data-parallel
+        # group only for its own deepspeed.moe.layer.MoE modules, and refuses those under ZeRO-3. The
+        # 16-bit optimizers keep their own fp32 gradient buffers, which our expert reduction does not see.
+        raise ScaletrainError(
+            f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0 and fp32 ({path} has stage {stage}, engine.precision "
+            f"is {prec}): use engine.ds_config=zero0.json engine.precision=fp32, or engine.backend=accelerate "
+            "engine.accelerate=ddp (any precision)")
     offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
     if str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
         # ZeRO-Offload keeps the fp32 master weights and optimizer states on the CPU and runs the update

@@ -1,0 +1,31 @@
+"""Expert parallelism (moe.ep_size > 1) under DeepSpeed: ZeRO-1/2/3 and 16-bit precisions are refused
+at start-up with one line naming the stage, the precision and what to use; ZeRO-0 fp32 resolves with
+DeepSpeed's gradient clipping off (the driver clips with the EP-aware norm)."""
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.engine.ds_config import load_ds_config
+from scaletrain.errors import ScaletrainError
+
+MOE = ["moe.num_experts=4", "moe.every=2", "moe.ep_size=2", "optim.clip_norm=1.0"]
+
+
+@pytest.mark.parametrize("ds,prec", [("zero1.json", "fp32"), ("zero2.json", "fp32"), ("zero3.json", "fp32"),
+                                     ("zero0.json", "bf16")])
+def test_ep_refused_where_the_engine_cannot_reduce_experts(ds, prec):
+    cfg = load_config("small", [*MOE, f"engine.ds_config={ds}", f"engine.precision={prec}"])
+    with pytest.raises(ScaletrainError) as e:
+        load_ds_config(cfg, 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "moe.ep_size=2" in msg and "ZeRO-0 and fp32" in msg and f"is {prec}" in msg
+    assert "engine.accelerate=ddp" in msg
+
+
+def test_ep_zero0_fp32_leaves_clipping_to_the_driver():
+    ds = load_ds_config(load_config("small", [*MOE, "engine.ds_config=zero0.json", "engine.precision=fp32"]), 2)
+    assert ds["gradient_clipping"] == 0.0
+    ds1 = load_ds_config(load_config("small", [*MOE[:2], "optim.clip_norm=1.0", "engine.ds_config=zero0.json",
+                                               "engine.precision=fp32"]), 2)
+    assert ds1["gradient_clipping"] == 1.0
