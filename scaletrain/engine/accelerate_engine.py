@@ -33,6 +33,7 @@ from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_n
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
+from scaletrain.parallel.state import check_ep_size, load_expert_shard, save_expert_shard
 from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -203,8 +204,9 @@ class AccelerateEngine(Engine):
             if self.is_main:  # the LR schedule is ours, not DeepSpeed's (see step())
                 torch.save(self.scheduler.state_dict(), Path(ckpt_dir) / tag / "scheduler.pt")
             return
-        # model.safetensors (rank 0), optimizer.bin, scheduler.bin, per-rank RNG
+        # model.safetensors (rank 0), optimizer.bin, scheduler.bin, per-rank RNG; experts: one shard per EP rank
         self.acc.save_state(str(Path(ckpt_dir) / tag), safe_serialization=True)
+        save_expert_shard(Path(ckpt_dir) / tag, self.module, self.optimizer.optimizer, self.ep.ctx)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         if self._ds is not None:
@@ -226,5 +228,7 @@ class AccelerateEngine(Engine):
         # (our RNG states come from rank*.pt anyway), so that file is checked here first.
         for rng_file in sorted(d.glob("random_states_*.pkl")):
             safe_torch_load(rng_file)
+        check_ep_size(d, self.ep.ctx.ep_size, bool(self.ep.experts))
         with weights_only_loads():
             self.acc.load_state(str(d))
+        load_expert_shard(d, self.module, self.optimizer.optimizer, self.ep.ctx)

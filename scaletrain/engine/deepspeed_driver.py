@@ -16,6 +16,7 @@ from scaletrain.engine.base import StepInfo
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
+from scaletrain.parallel.state import check_ep_size, load_expert_shard, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -149,8 +150,14 @@ class DeepSpeedDriver:
 
     def save(self, ckpt_dir: Path, tag: str) -> None:
         self.e.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+        save_expert_shard(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
+        check_ep_size(Path(ckpt_dir) / tag, self.ep.ctx.ep_size, bool(self.ep.experts))
+        self._load(ckpt_dir, tag)
+        load_expert_shard(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx)
+
+    def _load(self, ckpt_dir: Path, tag: str) -> None:
         with weights_only_loads():  # DeepSpeed's own torch.load calls weights_only=False
             path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                              load_lr_scheduler_states=True)

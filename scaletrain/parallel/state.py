@@ -6,8 +6,17 @@ Expert parameters are found by their mark (``p.expert = True``) on a module that
 the layer's experts it holds (attributes ``first_expert`` and ``num_experts``; the local count is dim 0
 of the parameter), e.g. ``scaletrain.models.moe.Experts``. Every EP rank holds the same number of
 experts, so the gather is one ``all_gather`` per expert tensor over the EP group.
+
+Checkpoints under ep_size > 1: the engines' own files (DeepSpeed's mp_rank_00, Accelerate's
+model.safetensors / optimizer.bin) come from rank 0 and hold its experts only. Each EP rank (the first
+of its EDP group) also writes ``expert_shard_epRRR_of_PPP.pt``: its expert parameters and their
+optimizer state. Resume reloads a rank's shard over what the engine loaded (same ep_size only: one
+line names both sizes otherwise); ``merge_expert_shards`` stacks the shards into the ep_size=1 state
+dict for export, evaluate and translate.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,4 +64,92 @@ def shard_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[st
         if t.shape[0] != total:
             raise ScaletrainError(f"{key}: the checkpoint has {t.shape[0]} experts, the model {total} (moe.num_experts)")
         out[key] = t[first:first + local[key].shape[0]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# expert shards in checkpoints
+# ---------------------------------------------------------------------------------------
+SHARD_GLOB = "expert_shard_ep*.pt"
+
+
+def shard_file(ckpt_dir: Path, ep_rank: int, ep_size: int) -> Path:
+    return Path(ckpt_dir) / f"expert_shard_ep{ep_rank:03d}_of_{ep_size:03d}.pt"
+
+
+def save_expert_shard(ckpt_dir: Path, model: nn.Module, optimizer, ctx: ParallelContext) -> None:
+    """Under ep_size > 1, the first rank of each EDP group writes its experts (parameters and their
+    optimizer state: Adam's moments and step) to ``expert_shard_epRRR_of_PPP.pt``; the engine's own
+    files hold rank 0's experts only. Written under a temporary name, then renamed."""
+    if ctx.ep_size == 1 or ctx.edp_rank != 0:
+        return
+    from scaletrain.fileio import replace_synced, temp_path
+
+    named = {n: p for n, p in model.named_parameters() if getattr(p, "expert", False)}
+    state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+    optim = {n: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state[p].items()}
+             for n, p in named.items() if p in state}
+    path = shard_file(ckpt_dir, ctx.ep_rank, ctx.ep_size)
+    tmp = temp_path(path)
+    torch.save({"ep_size": ctx.ep_size, "ep_rank": ctx.ep_rank,
+                "params": {n: p.detach().cpu().clone() for n, p in named.items()}, "optim": optim}, tmp)
+    replace_synced(tmp, path)
+
+
+def saved_ep_size(ckpt_dir: Path) -> int:
+    """The moe.ep_size a checkpoint was written with (1 when it has no expert shard files)."""
+    files = sorted(Path(ckpt_dir).glob(SHARD_GLOB))
+    return int(files[0].stem.rsplit("_", 1)[1]) if files else 1
+
+
+def check_ep_size(ckpt_dir: Path, ep_size: int, has_experts: bool) -> None:
+    """One-line error when a resume's moe.ep_size differs from the checkpoint's (the engines' files
+    and optimizer states are per layout)."""
+    saved = saved_ep_size(ckpt_dir)
+    if has_experts and saved != ep_size:
+        raise ScaletrainError(
+            f"{ckpt_dir} was written with moe.ep_size={saved} but this run has moe.ep_size={ep_size}; resume with "
+            f"moe.ep_size={saved}, or export it (scaletrain export consolidates the experts) and start a new run")
+
+
+@torch.no_grad()
+def load_expert_shard(ckpt_dir: Path, model: nn.Module, optimizer, ctx: ParallelContext) -> None:
+    """After the engine loaded its files (rank 0's experts everywhere): this rank's experts and their
+    optimizer state from its shard file. No-op at ep_size 1."""
+    check_ep_size(ckpt_dir, ctx.ep_size, bool(expert_shards(model)))
+    if ctx.ep_size == 1:
+        return
+    from scaletrain.safeload import safe_torch_load
+
+    path = shard_file(ckpt_dir, ctx.ep_rank, ctx.ep_size)
+    if not path.is_file():
+        raise ScaletrainError(f"{path} missing: the checkpoint lacks this rank's experts; use an earlier checkpoint")
+    sh = safe_torch_load(path)
+    named = {n: p for n, p in model.named_parameters() if getattr(p, "expert", False)}
+    if set(sh["params"]) != set(named):
+        raise ScaletrainError(f"{path}: expert tensors do not match the model (moe.* settings changed?)")
+    for n, p in named.items():
+        p.copy_(sh["params"][n])
+        if optimizer is not None and n in sh["optim"]:
+            optimizer.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
+                                  for k, v in sh["optim"][n].items()}
+
+
+def merge_expert_shards(ckpt_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` (an engine's model weights, which hold rank 0's experts) with every expert tensor
+    replaced by all EP ranks' shards stacked in global expert order: the ep_size=1 state dict.
+    Unchanged for a checkpoint without shard files."""
+    from scaletrain.safeload import safe_torch_load
+
+    files = sorted(Path(ckpt_dir).glob(SHARD_GLOB))
+    if not files:
+        return sd
+    ep = saved_ep_size(ckpt_dir)
+    if len(files) != ep:
+        raise ScaletrainError(f"{ckpt_dir}: {len(files)} expert shard files for moe.ep_size={ep}; the checkpoint "
+                              "is incomplete, use an earlier one")
+    shards = [safe_torch_load(f)["params"] for f in files]
+    out = dict(sd)
+    for key in shards[0]:
+        out[key] = torch.cat([s[key] for s in shards]).to(sd[key].dtype if key in sd else torch.float32)
     return out
