@@ -186,7 +186,9 @@ class AccelerateEngine(Engine):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def partitioned(self) -> bool:
-        return self._ds is not None and self._ds.partitioned()
+        if self._ds is not None:
+            return self._ds.partitioned()
+        return self.ep.active  # expert parallelism: this rank holds only its experts
 
     def full_state_dict(self):
         if self._ds is not None:

@@ -130,7 +130,8 @@ class DeepSpeedDriver:
         return float(self.e.get_lr()[0])
 
     def partitioned(self) -> bool:
-        return is_partitioned(self.e.module)
+        """ZeRO-3, or expert parallelism (this rank holds only its experts; every forward exchanges)."""
+        return self.ep.active or is_partitioned(self.e.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters on every rank (ZeRO-3 partitions gathered), fp32 on CPU. Collective."""
@@ -141,7 +142,7 @@ class DeepSpeedDriver:
             from scaletrain.parallel.state import consolidate_state_dict
 
             return {k: v.float().cpu().clone() for k, v in consolidate_state_dict(mod, self.ep.ctx).items()}
-        if not self.partitioned():
+        if not is_partitioned(mod):
             return {k: v.detach().float().cpu().clone() for k, v in mod.state_dict().items()}
         with deepspeed.zero.GatheredParameters(list(mod.parameters()), modifier_rank=None):
             keys = set(mod.state_dict(keep_vars=True))

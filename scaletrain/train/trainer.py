@@ -86,15 +86,17 @@ class Trainer:
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
                                  byte_level=cfg.data.tokenizer == "byte")
-        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
+        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
+                                   lambda: self.build_model(expert_parallel=False))
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.preempted = False
 
-    def build_model(self) -> torch.nn.Module:
+    def build_model(self, expert_parallel: bool = True) -> torch.nn.Module:
+        """The model; ``expert_parallel=False``: every expert in this process (decoding copies)."""
         moe = self.cfg.moe
         return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=moe,
-                           parallel=self.engine.parallel_context(moe.ep_size))
+                           parallel=self.engine.parallel_context(moe.ep_size) if expert_parallel else None)
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
