@@ -29,3 +29,17 @@ def test_ep_zero0_fp32_leaves_clipping_to_the_driver():
     ds1 = load_ds_config(load_config("small", [*MOE[:2], "optim.clip_norm=1.0", "engine.ds_config=zero0.json",
                                                "engine.precision=fp32"]), 2)
     assert ds1["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize("recipe,total", [("moe_base", 132_535_296), ("moce_d5_moe", 132_638_400)])
+def test_moe_recipes_sizes_as_their_comments_say(recipe, total):
+    from scaletrain.models.summary import model_summary
+
+    cfg = load_config(recipe)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.every, cfg.moe.capacity_factor) == (8, 2, 2, 0.0)
+    assert cfg.engine.backend == "accelerate" and cfg.engine.accelerate == "ddp"  # EP in any precision
+    s = model_summary(cfg.model, 360, moe=cfg.moe)  # OPUS-100 vocabulary layout, as test_recipes_models
+    expert = 2 * 512 * 2048 + 2048 + 512
+    assert s["experts"] == 6 * 8 * expert and s["total"] == total
+    dense = model_summary(load_config("base" if recipe == "moe_base" else "moce_d5").model, 360)["total"]
+    assert total == dense - 6 * expert + 6 * 8 * expert + 6 * 512 * 8  # 6 FFNs -> 6 x 8 experts + routers
