@@ -14,7 +14,7 @@ Expert parallelism (moe.ep_size > 1), DDP: the expert parameters are given to DD
 ignore (``_ddp_params_and_buffers_to_ignore``: no all-reduce, no start-up broadcast of rank 0's
 experts); at the update their gradients are summed over the expert-data-parallel group / W and the
 clip norm counts each expert once (``scaletrain.parallel.grads``). The DeepSpeed plugin: as the
-DeepSpeed engine (ZeRO-0, fp32).
+DeepSpeed engine (ZeRO-0/1/2, fp32; ``deepspeed_driver``).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import Engine, StepInfo
-from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
 from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
@@ -105,13 +105,15 @@ class AccelerateEngine(Engine):
     # ------------------------------------------------------------------------------
     def setup(self, model):
         model = prepare_model(model, self.cfg)
-        optimizer = build_optimizer(model, self.cfg)
-        scheduler = build_scheduler(optimizer, self.cfg)
         self.ep = ExpertParallelGrads(model)
         experts = self.ep.snapshot() if self.ep.active else None
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
             model._ddp_params_and_buffers_to_ignore = list(self.ep.expert_names)
-        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+        with native_moe(model, self.ep, stage if self.mode == "deepspeed" else 0):
+            optimizer = build_optimizer(model, self.cfg)
+            scheduler = build_scheduler(optimizer, self.cfg)
+            self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         if self.mode == "deepspeed":
             if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
                 self.ep.restore(experts)

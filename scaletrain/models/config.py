@@ -316,8 +316,8 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0 = dropless; c > 0: each expert takes at most ceil(c * tokens * top_k / E) pairs per rank
     aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
     shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
-    # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP,
-    # DeepSpeed ZeRO-0 fp32); MoCE's contextualization experts stay replicated (expert-parallel MoCE: not yet)
+    # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP;
+    # DeepSpeed ZeRO-0/1/2 fp32); MoCE's contextualization experts stay replicated (expert-parallel MoCE: not yet)
     ep_size: int = 1
 
     def enabled(self) -> bool:

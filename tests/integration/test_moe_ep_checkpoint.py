@@ -1,6 +1,7 @@
-"""Checkpoints under expert parallelism (moe.ep_size=2, 2 gloo ranks, DeepSpeed ZeRO-0 and Accelerate
-DDP, dropout on): N updates, stop, resume, N more == 2N uninterrupted updates, bitwise (each rank's
-experts and their Adam state come back from its own shard file); ``scaletrain export`` stacks the
+"""Checkpoints under expert parallelism (moe.ep_size=2, 2 gloo ranks, DeepSpeed ZeRO-0 and ZeRO-2 and
+Accelerate DDP, dropout on): N updates, stop, resume, N more == 2N uninterrupted updates, bitwise (each rank's
+experts and their Adam state come back from its own shard file; under ZeRO-2 the Adam state is in
+each rank's own ZeRO partition file); ``scaletrain export`` stacks the
 shards into one file that a single-process model loads and gives the trained model's loss; a resume
 with another ep_size fails with one line naming both sizes."""
 from __future__ import annotations
@@ -18,7 +19,8 @@ N = 3
 DRIVER = "tests/integration/ep_driver.py"
 MOE = ["model.dropout=0.1", "moe.num_experts=4", "moe.every=1", "moe.ffn_dim=32", "moe.ep_size=2",
        "engine.precision=fp32"]
-ENGINES = {"ds": ["engine.ds_config=zero0.json"], "ddp": ["engine.backend=accelerate", "engine.accelerate=ddp"]}
+ENGINES = {"ds": ["engine.ds_config=zero0.json"], "z2": ["engine.ds_config=zero2.json", "optim.clip_norm=0"],
+           "ddp": ["engine.backend=accelerate", "engine.accelerate=ddp"]}
 
 
 def _jobs(engine: str) -> list[dict]:
@@ -33,7 +35,7 @@ def runs(django_shards, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("epck")
     env = launcher_env(out)
     sh = str(django_shards)
-    run(deepspeed_cmd(2, DRIVER, str(out), sh, json.dumps(_jobs("ds"))), env)
+    run(deepspeed_cmd(2, DRIVER, str(out), sh, json.dumps(_jobs("ds") + _jobs("z2"))), env)
     acc = Path(sys.executable).with_name("accelerate")
     for job in _jobs("ddp"):  # a fresh process each: Accelerate state is per process
         run([str(acc), "launch", "--config_file", "ds_configs/accelerate_ddp.yaml", "--num_processes", "2",
