@@ -68,7 +68,7 @@ class Trainer:
                                 vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()
-        self.param_counts = count_parameters(model)
+        self.param_counts = count_parameters(model, cfg.moe.ep_size)  # the whole model, every expert
         eng.setup(model)
         self.stream = stream if stream is not None else ShardLoader(
             cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=cfg.data.num_workers,

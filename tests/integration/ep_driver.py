@@ -5,7 +5,8 @@ A job ``{"name", "overrides", "grads": true}`` builds the trainer (engine set up
 runs one forward/backward of a fixed batch per rank through the engine, reduces the gradients the
 way the engine does at an update (``ExpertParallelGrads``, or DDP's own all-reduce for the dense part),
 gathers the expert gradients of every layer over the expert-parallel group and writes
-OUT/NAME/grads_rank{r}.pt plus OUT/NAME/info_rank{r}.json (this rank's expert parameter count).
+OUT/NAME/grads_rank{r}.pt plus OUT/NAME/info_rank{r}.json (this rank's expert parameter count, the
+model's parameter count the trainer logs).
 Any other job is a training job of test_engine_replay.py's ``run_job`` (same global batch per update
 for any layout; OUT/NAME/params_rank{r}.pt holds the consolidated parameters).
 """
@@ -62,14 +63,14 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
         ep.reduce(dense=cfg.engine.backend == "deepspeed")  # DDP already averaged the dense gradients
     grads = _gathered_expert_grads(eng.module, ep.ctx)
     torch.save(grads, d / f"grads_rank{rank}.pt")
-    write_info(d, eng)
+    write_info(d, eng, trainer.param_counts["total"])
     trainer.close()
     eng.barrier()
 
 
-def write_info(d: Path, eng) -> None:
+def write_info(d: Path, eng, total: int) -> None:
     experts = sum(p.numel() for p in eng.module.parameters() if getattr(p, "expert", False))
-    (d / f"info_rank{eng.rank}.json").write_text(json.dumps({"expert_params": experts}))
+    (d / f"info_rank{eng.rank}.json").write_text(json.dumps({"expert_params": experts, "total_params": total}))
 
 
 def main(argv: list[str]) -> None:

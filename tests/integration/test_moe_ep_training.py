@@ -92,6 +92,7 @@ def test_ep2_rank_holds_half_the_experts_and_gets_the_ep1_gradients(runs, engine
     full = info[(1, 0)]["expert_params"]
     assert full == 2 * 4 * (32 * 32 + 32 + 32 * 32 + 32)  # 2 MoE layers (1 encoder, 1 decoder), 4 experts
     assert info[(2, 0)]["expert_params"] == info[(2, 1)]["expert_params"] == full // 2
+    assert info[(2, 0)]["total_params"] == info[(1, 0)]["total_params"]  # logged: the whole model at any ep_size
     g1 = torch.load(runs / f"{engine}_grads_ep1" / "grads_rank0.pt")
     for r in (0, 1):
         g2 = torch.load(runs / f"{engine}_grads_ep2" / f"grads_rank{r}.pt")
