@@ -33,7 +33,7 @@ from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_n
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import check_ep_size, load_expert_shard, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
 from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -232,7 +232,6 @@ class AccelerateEngine(Engine):
         # (our RNG states come from rank*.pt anyway), so that file is checked here first.
         for rng_file in sorted(d.glob("random_states_*.pkl")):
             safe_torch_load(rng_file)
-        check_ep_size(d, self.ep.ctx.ep_size, bool(self.ep.experts))
-        with weights_only_loads():
+        # experts: this rank's from its shard file, resharded when the checkpoint's ep_size differs
+        with expert_checkpoint_load(d, self.module, self.optimizer.optimizer, self.ep.ctx), weights_only_loads():
             self.acc.load_state(str(d))
-        load_expert_shard(d, self.module, self.optimizer.optimizer, self.ep.ctx)

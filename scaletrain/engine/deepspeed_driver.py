@@ -17,7 +17,7 @@ from scaletrain.engine.base import StepInfo
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import check_ep_size, load_expert_shard, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -214,12 +214,13 @@ class DeepSpeedDriver:
         save_expert_shard(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
-        check_ep_size(Path(ckpt_dir) / tag, self.ep.ctx.ep_size, bool(self.ep.experts))
-        with self._plain_checkpoint():
-            self._load(ckpt_dir, tag)
-        # ZeRO-1/2 restored each rank's fp32 partitions (its experts) from its own file; the module's
-        # experts came from rank 0's: put this rank's back
-        load_expert_shard(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx)
+        # The module's experts come from rank 0's file: this rank's are put back from its expert shard
+        # (ZeRO-1/2 restore each rank's fp32 partitions, its experts' Adam state, from its own file).
+        # Another ep_size: resharded under ZeRO-0 (ZeRO-1/2 keep parameters in flat partitions: refused).
+        with expert_checkpoint_load(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx,
+                                    reshard=self.zero_stage == 0):
+            with self._plain_checkpoint():
+                self._load(ckpt_dir, tag)
 
     def _load(self, ckpt_dir: Path, tag: str) -> None:
         with weights_only_loads():  # DeepSpeed's own torch.load calls weights_only=False
