@@ -101,7 +101,7 @@ class DeepSpeedDriver:
     ``scheduler``: an LR scheduler DeepSpeed does not own (Accelerate hands DeepSpeed only its own
     scheduler types); it is stepped here once per update that was not skipped.
 
-    Expert parallelism (a model built with moe.ep_size > 1; fp32, ``ds_config``). ZeRO-0: DeepSpeed
+    Expert parallelism (a model built with moe.ep_size > 1; ``ds_config`` says which precisions). ZeRO-0: DeepSpeed
     would average every gradient over the whole world, expert gradients included; its backward
     all-reduce is switched off, and at the update the driver averages the dense gradients over the
     world, sums expert gradients over the expert-data-parallel group / W and clips with the norm that
@@ -119,9 +119,9 @@ class DeepSpeedDriver:
         self.own_ep = self.ep.active and ds_engine.zero_optimization_stage() == 0
         if self.ep.active:
             if ds_engine.zero_optimization_stage() not in (0, 1, 2) or ds_engine.fp16_enabled() \
-                    or ds_engine.bfloat16_enabled():
-                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0/1/2 in fp32 (README, 'Expert "
-                                      "parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
+                    or (self.own_ep and ds_engine.bfloat16_enabled()):
+                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 (README, "
+                                      "'Expert parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
             if not self.own_ep and not getattr(ds_engine, "has_moe_layers", False):
                 raise ScaletrainError("DeepSpeed did not take the expert parameters (build the engine inside "
                                       "scaletrain.engine.deepspeed_driver.native_moe)")

@@ -101,13 +101,13 @@ def load_ds_config(cfg, world_size: int) -> dict:
 def _check_expert_parallel(cfg, path: Path, stage: int, prec: str) -> None:
     """One-line errors for moe.ep_size > 1 where this DeepSpeed config cannot train it."""
     ep = getattr(cfg.moe, "ep_size", 1)
-    if ep > 1 and (stage == 3 or prec != "fp32"):
+    if ep > 1 and (stage == 3 or prec == "fp16" or (prec == "bf16" and stage == 0)):
         # DeepSpeed refuses MoE under ZeRO-3 ("Native DeepSpeed MoE is not supported with ZeRO Stage 3"); its
-        # 16-bit optimizers keep their own fp32 gradient buffers, which our ZeRO-0 expert reduction does not see
-        # (and its ZeRO-1/2 MoE path is tested here in fp32 only).
+        # ZeRO-0 bf16 optimizer keeps its own fp32 gradient buffers, which our ZeRO-0 expert reduction does not
+        # see; fp16 (dynamic loss scaling) is untested with experts here.
         raise ScaletrainError(
-            f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0, 1 or 2 and fp32 ({path} has stage {stage}, "
-            f"engine.precision is {prec}): use engine.ds_config=zero0.json engine.precision=fp32, or "
+            f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16 ({path} has stage "
+            f"{stage}, engine.precision is {prec}): use engine.ds_config=zero0.json engine.precision=fp32, or "
             "engine.backend=accelerate engine.accelerate=ddp (any precision)")
     if ep > 1 and stage in (1, 2) and float(cfg.optim.clip_norm) > 0:
         # DeepSpeed's ZeRO-1/2 gradient norm averages each rank's expert norm over the expert-data-parallel

@@ -317,7 +317,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
     shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
     # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP;
-    # DeepSpeed ZeRO-0/1/2 fp32); MoCE's contextualization experts stay replicated (expert-parallel MoCE: not yet)
+    # DeepSpeed ZeRO-0 fp32, ZeRO-1/2); MoCE's contextualization experts stay replicated (expert-parallel MoCE: not yet)
     ep_size: int = 1
 
     def enabled(self) -> bool:
