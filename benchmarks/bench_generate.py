@@ -10,12 +10,14 @@ out_len - 1 bytes, then the forced EOS; HF: min_new_tokens = max_new_tokens = ou
 same number of decoder steps over the same number of beams. The HF model is MarianMTModel (post-LN,
 sinusoidal positions, tied embeddings: the closest HF architecture to ours), with its KV cache.
 
-Prints sentences/s of each (best of --reps, runs interleaved, after a warm-up) and the RATIO ours/HF measured in the same run.
+Prints sentences/s of each (median of --reps interleaved rounds, after a warm-up) and the RATIO ours/HF:
+the median and range of the per-round ratios (each round runs both back to back).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -55,16 +57,16 @@ def n_params(m) -> int:
 
 
 def timeit_interleaved(fns, reps):
-    """Best-of-``reps`` seconds of each function, runs interleaved (a, b, a, b, ...) after one warm-up each,
-    so a noisy neighbour slows both sides alike."""
+    """Seconds of every run of each function, runs interleaved (a, b, a, b, ...) after one warm-up each,
+    so a noisy neighbour slows both sides alike: ``times[i][r]`` is function i in round r."""
     outs = [fn() for fn in fns]  # warm-up
-    best = [float("inf")] * len(fns)
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
             outs[i] = fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best, outs
+            times[i].append(time.perf_counter() - t0)
+    return times, outs
 
 
 def main() -> int:
@@ -73,7 +75,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="sentences per generate call")
     ap.add_argument("--src-bytes", type=int, default=40)
     ap.add_argument("--out-len", type=int, default=48, help="decoder steps per sentence (EOS included)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7, help="interleaved rounds")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -117,18 +119,20 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    (t_ours, t_hf), (out_ours, out_hf) = timeit_interleaved(
+    (ts_ours, ts_hf), (out_ours, out_hf) = timeit_interleaved(
         [lambda: (run_ours(), sync())[0], lambda: (run_hf(), sync())[0]], args.reps)
     # same amount of work: every hypothesis has the forced length on both sides
     assert all(len(o) == L - 1 for o in out_ours), [len(o) for o in out_ours]
     assert out_hf.shape[1] == L + 1, out_hf.shape  # decoder start + L generated tokens
-    sps_ours, sps_hf = B / t_ours, B / t_hf
+    t_ours, t_hf = statistics.median(ts_ours), statistics.median(ts_hf)
+    ratios = sorted(h / o for o, h in zip(ts_ours, ts_hf))  # per round: the two runs were adjacent in time
     print(f"device {dev}, torch threads {torch.get_num_threads()}, beam {args.beam}, batch {B}, "
-          f"src {S} bytes, {L} decoder steps per sentence, best of {args.reps}")
+          f"src {S} bytes, {L} decoder steps per sentence, median of {args.reps} interleaved rounds")
     print(f"params: scaletrain {n_params(ours):,}  HF Marian {n_params(hf):,}")
     print(f"{'decoder':<28}{'seconds':>10}{'sentences/s':>14}{'ratio':>8}")
-    print(f"{'HF transformers generate()':<28}{t_hf:>10.3f}{sps_hf:>14.1f}{1.0:>8.2f}")
-    print(f"{'scaletrain.eval.generate':<28}{t_ours:>10.3f}{sps_ours:>14.1f}{sps_ours / sps_hf:>8.2f}")
+    print(f"{'HF transformers generate()':<28}{t_hf:>10.3f}{B / t_hf:>14.1f}{1.0:>8.2f}")
+    print(f"{'scaletrain.eval.generate':<28}{t_ours:>10.3f}{B / t_ours:>14.1f}{t_hf / t_ours:>8.2f}")
+    print(f"RATIO ours/HF per round: median {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
     return 0
 
 

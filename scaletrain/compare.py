@@ -9,7 +9,7 @@ the store) or by experiment (``--experiment NAME``, optionally filtered with an 
 * the run's status, wall time (training-loop seconds) and steps,
 * ``final`` and ``best`` of the learning-curve metrics (train loss, validation nll, in-training BLEU/chrF),
 * every evaluation score logged by ``scaletrain evaluate`` (``<split>/bleu/<group>``, ``<split>/chrf/<group>``),
-* throughput (mean target tokens/s, mean bytes/s) and peak memory.
+* throughput (mean target tokens/s, mean bytes/s, mean MFU and model TFLOP/s) and peak memory.
 
 :func:`plot_comparison` draws the runs' learning curves overlaid (and the evaluation scores per group as
 bars when any run has them) into one PNG (matplotlib, Agg backend). Everything works on the default local
@@ -60,6 +60,10 @@ def _curve_keys(metrics: Iterable[str]) -> list[str]:
     return sorted(keys, key=lambda k: (k not in CURVES, CURVES.index(k) if k in CURVES else 0, k))
 
 
+MEAN_ROWS = (("train/tokens_per_s", "tokens/s (mean)"), ("train/bytes_per_s", "bytes/s (mean)"),
+             ("train/mfu", "MFU (mean)"), ("train/model_tflops", "model TFLOP/s (mean)"))
+
+
 def _fetch(client, run_id: str) -> RunData:
     from mlflow.exceptions import MlflowException
 
@@ -70,7 +74,7 @@ def _fetch(client, run_id: str) -> RunData:
     data = RunData(run.info.run_id, run.info.run_name or "", run.info.status, dict(run.data.params),
                    dict(run.data.tags), dict(run.data.metrics), start_time=run.info.start_time,
                    end_time=run.info.end_time)
-    for k in [*_curve_keys(data.metrics), "train/tokens_per_s", "train/bytes_per_s"]:
+    for k in [*_curve_keys(data.metrics), *(k for k, _ in MEAN_ROWS)]:
         if k in data.metrics:
             hist = client.get_metric_history(run_id, k)
             data.histories[k] = sorted((m.step, m.value) for m in hist)
@@ -185,7 +189,7 @@ def compare(runs: list[RunData]) -> Comparison:
                                    for r in runs]))
     for k in sorted({k for r in runs for k in r.metrics if k.startswith(EVAL_PREFIXES)}):
         rows.append((k, [_clean(r.metrics.get(k)) for r in runs]))
-    for k, name in (("train/tokens_per_s", "tokens/s (mean)"), ("train/bytes_per_s", "bytes/s (mean)")):
+    for k, name in MEAN_ROWS:
         if any(r.histories.get(k) for r in runs):
             rows.append((name, [_clean(sum(v for _, v in r.histories[k]) / len(r.histories[k]))
                                 if r.histories.get(k) else None for r in runs]))

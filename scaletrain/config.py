@@ -25,18 +25,27 @@ from scaletrain.models.config import ModelConfig, MoEConfig
 
 @dataclass
 class DataConfig:
-    shards: str = "shards/django"  # a directory written by `scaletrain prepare`
+    shards: str = "shards/django"  # a directory written by `scaletrain prepare`, an http(s):// URL or pipe:CMD {name}
     max_tokens: int = 4096  # token budget per micro-batch per rank: padded src + tgt tokens
     max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
     buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
     seed: int = 1
-    num_workers: int = 0  # DataLoader worker processes per rank feeding the stream (0 = in the training process)
+    # DataLoader worker processes per rank feeding the stream (0 = in the training process); auto: 2 for remote
+    # shards or on an accelerator with >= 4 host cores per rank, else 0 (scaletrain.data.stream.auto_num_workers)
+    num_workers: int | str = "auto"
     temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
     # byte (default) | spm: the subword baseline, a SentencePiece BPE model stored beside the shards
     # (`prepare --spm-vocab-size N` or `scaletrain data spm DIR --vocab-size N`); with spm, max_bytes
     # caps TOKENS per side and max_tokens counts padded subword tokens
     tokenizer: str = "byte"
     spm_vocab_size: int = 0  # which of the shard directory's SentencePiece models (0 = the only one)
+    on_corrupt: str = "stop"  # a block failing its CRC-32 / language check: stop (one line) | skip (logged, counted)
+    # URL / pipe: shards (scaletrain.data.sources): retries with backoff, per-request timeout, whole-shard cache
+    fetch_retries: int = 8
+    fetch_max_seconds: float = 300.0
+    fetch_timeout: float = 30.0
+    cache_dir: str = ""  # "" = no disk cache (HTTP: a range request per block; pipe: shards in memory)
+    cache_max_gb: float = 4.0
 
 
 @dataclass
@@ -116,6 +125,10 @@ class TrackingConfig:
     experiment: str = "scaletrain"
     run_name: str = ""
     end_timeout: float = 30.0  # seconds the end of a job waits for an unreachable server (then: tracking sync)
+    peak_tflops: float = 0.0  # MFU peak per device; 0 = the GPU table, or the measured GEMM peak on CPU
+    system_metrics: bool = True  # CPU/memory/disk/network/GPU per node (local rank 0 of each node)
+    system_metrics_interval: float = 10.0  # seconds between system-metric samples
+    progress: bool = True  # live progress line on rank 0 when stdout is a terminal
 
 
 @dataclass
@@ -149,7 +162,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], key)
+        for a in args[:-1]:  # the first type that takes the value (int | str: 2 stays an integer)
+            try:
+                return _coerce(value, a, key)
+            except ScaletrainError:
+                pass
+        return _coerce(value, args[-1], key)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -385,18 +403,30 @@ def validate(cfg: Config) -> None:
         bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
     cfg.model.validate()  # the model rules (scaletrain.models.config)
     cfg.moe.validate(cfg.model)
+    if cfg.moe.moce_partition and cfg.moe.ep_size > 1:
+        bad("moe.moce_partition", "expert-parallel MoCE exists as a layer (scaletrain.models.moce_ep) but the engines "
+            "do not yet consolidate its owned expert tensors (checkpoints, decoding); set moe.moce_partition=false "
+            "(MoCE experts replicated, FFN experts still split by moe.ep_size)")
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
     if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):
         bad("data.max_tokens", problem)
-    if cfg.data.num_workers < 0:
-        bad("data.num_workers", "must be >= 0")
+    nw = cfg.data.num_workers
+    if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 0):
+        bad("data.num_workers", f"must be auto or an integer >= 0, got {nw!r}")
     if cfg.data.temperature <= 0:
         bad("data.temperature", "must be > 0 (1 = proportional sampling)")
     if cfg.data.buffer_size < 1:
         bad("data.buffer_size", "must be >= 1")
     if cfg.data.tokenizer not in ("byte", "spm"):
         bad("data.tokenizer", f"must be byte or spm, got {cfg.data.tokenizer!r}")
+    if cfg.data.on_corrupt not in ("stop", "skip"):
+        bad("data.on_corrupt", f"must be stop or skip, got {cfg.data.on_corrupt!r}")
+    if cfg.data.fetch_retries < 0:
+        bad("data.fetch_retries", "must be >= 0")
+    for k in ("fetch_max_seconds", "fetch_timeout", "cache_max_gb"):
+        if getattr(cfg.data, k) <= 0:
+            bad(f"data.{k}", "must be > 0")
     if cfg.data.spm_vocab_size < 0:
         bad("data.spm_vocab_size", "must be >= 0 (0 = the shard directory's only SentencePiece model)")
     if cfg.data.spm_vocab_size and cfg.data.tokenizer != "spm":
@@ -426,6 +456,10 @@ def validate(cfg: Config) -> None:
         bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
     if cfg.eval.beam < 1:
         bad("eval.beam", "must be >= 1")
+    if cfg.tracking.peak_tflops < 0:
+        bad("tracking.peak_tflops", "must be >= 0 (0 = the GPU table, or the measured GEMM peak on CPU)")
+    if cfg.tracking.system_metrics_interval <= 0:
+        bad("tracking.system_metrics_interval", "must be > 0 seconds")
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -3,3 +3,7 @@
 
 class ScaletrainError(Exception):
     """An error caused by input or configuration, with a message that says what to do."""
+
+
+class CorruptShardError(ScaletrainError):
+    """A shard block whose bytes are not what ``prepare`` wrote (checksum, structure, language ids, truncation)."""

@@ -58,6 +58,7 @@ __all__ = [
     "compare_runs",
     "default_tracking_uri",
     "flatten_params",
+    "node_layout",
     "resolve_tracking_uri",
     "safe_key",
 ]
@@ -173,6 +174,19 @@ def broadcast_run_id(run_id: str | None, is_main: bool) -> str | None:
     return obj[0]
 
 
+def node_layout(rank: int, world_size: int, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this process's node rank, number of nodes) from the launcher's environment: the ``deepspeed``
+    launcher's ``CROSS_RANK``/``CROSS_SIZE``, torchrun's (and ``accelerate launch``'s) ``GROUP_RANK``/
+    ``GROUP_WORLD_SIZE``, else ``rank // local size`` with ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``."""
+    env = os.environ if env is None else env
+    for r_key, n_key in (("CROSS_RANK", "CROSS_SIZE"), ("GROUP_RANK", "GROUP_WORLD_SIZE")):
+        if env.get(r_key, "").isdigit() and env.get(n_key, "").isdigit():
+            return int(env[r_key]), max(1, int(env[n_key]))
+    local = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or ""
+    local_n = int(local) if local.isdigit() and int(local) > 0 else world_size
+    return rank // local_n, max(1, -(-world_size // local_n))
+
+
 def _client(uri: str):
     from mlflow import MlflowClient
 
@@ -184,6 +198,7 @@ def _client(uri: str):
 
 JOURNAL = "journal.jsonl"
 RUN_FILE = "run.json"
+CHECKPOINTS_FILE = "checkpoints.json"
 _PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST",
                      "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED"}
 
@@ -703,6 +718,33 @@ class Tracker:
         self._record({"t": "artifact", "path": str(p.resolve()), "dir": artifact_path})
         self._send("artifact", (run_id, str(p), artifact_path))
 
+    def log_checkpoint(self, ckpt_dir: str | os.PathLike, step: int) -> None:
+        """Add a written checkpoint to the run's ``checkpoints.json`` artifact (every checkpoint of the job,
+        resumed sessions included: ``step``, ``path``, ``time``, and ``exists``, false once ``keep_last``
+        pruned it). Written in ``local_dir/artifacts`` and uploaded in the background: never waits."""
+        if not self.is_main or self.run_id is None:
+            return
+        dest = self._local_artifact(CHECKPOINTS_FILE)
+        entries = []
+        if dest is not None and dest.is_file():
+            try:
+                entries = json.loads(dest.read_text(encoding="utf-8")).get("checkpoints", [])
+            except (ValueError, AttributeError):
+                entries = []  # a damaged list is rebuilt from this checkpoint on
+        path = str(Path(ckpt_dir).resolve())
+        entries = [e for e in entries if e.get("path") != path]
+        entries.append({"step": int(step), "path": path, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        for e in entries:
+            e["exists"] = Path(e["path"]).is_dir()
+        data = {"run_id": self.run_id, "checkpoints": entries}
+        if dest is None:
+            self._send("dict", (self.run_id, data, CHECKPOINTS_FILE))
+            return
+        from scaletrain.fileio import atomic_write_text
+
+        atomic_write_text(dest, json.dumps(data, indent=2) + "\n")
+        self.log_artifact(dest)
+
     def _local_artifact(self, artifact_file: str) -> Path | None:
         if self.local_dir is None:
             return None
@@ -756,7 +798,8 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
     """Upload what a run's server missed from ``run_dir`` (a training output directory holding
     ``tracking/``, or that ``tracking`` directory itself): metrics not on the server (matched by key, step
     and timestamp, so running it twice sends nothing twice), params, tags, artifacts, and the end status
-    if the journal's last event for the run is its end. ``uri`` overrides the one in ``run.json``."""
+    if the journal's last event for the run is its end; and the system metrics each node journaled in
+    ``tracking/system/<node>/journal.jsonl``. ``uri`` overrides the one in ``run.json``."""
     d = Path(run_dir)
     tdir = d if (d / RUN_FILE).is_file() else d / "tracking"
     if not (tdir / RUN_FILE).is_file() or not (tdir / JOURNAL).is_file():
@@ -783,6 +826,10 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
             r["artifacts"].append((rec["path"], rec.get("dir")))
         if t in ("start", "resume", "end"):
             r["last"] = rec
+    for sys_journal in sorted((tdir / "system").glob(f"*/{JOURNAL}")):  # scaletrain.system_metrics, per node
+        for rec in read_journal(sys_journal):
+            if rec.get("t") == "m" and rec.get("run_id") in by_run:
+                by_run[rec["run_id"]]["m"].extend((k, v, rec["ts"], rec["s"]) for k, v in rec["v"].items())
     reports = []
     for run_id, r in by_run.items():
         try:

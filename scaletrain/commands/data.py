@@ -2,6 +2,7 @@
 
     scaletrain data stats DIR                   # per-direction pairs, bytes, length percentiles, filters
     scaletrain data verify DIR                  # checksums + decode every block; names a bad shard
+    (stats and verify also take an http(s):// URL or a pipe:COMMAND, see scaletrain.data.sources)
     scaletrain data spm DIR --vocab-size N      # add a SentencePiece BPE model to prepared shards
     scaletrain data export DIR --split test --out TXT [--direction de-en]
                                                 # line-aligned plain text, one file pair per direction
@@ -65,14 +66,16 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
 
     st = sub.add_parser("stats", help="per-direction pairs, bytes, length percentiles, filter counts")
-    st.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json)")
+    st.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json), or its "
+                                      "http(s):// URL, or pipe:COMMAND with {name} (e.g. 'pipe:curl -fsS URL/{name}')")
     st.add_argument("--splits", default=None, help="comma-separated splits (default: all in the manifest)")
     st.add_argument("--json", action="store_true", help="print the statistics as JSON")
     st.set_defaults(func=_stats)
 
     ve = sub.add_parser("verify", help="check sizes, checksums, tar tables and decode every block; "
                                        "exits 1 naming each bad shard")
-    ve.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json)")
+    ve.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json), or its "
+                                      "http(s):// URL, or pipe:COMMAND with {name} (every shard is fetched whole)")
     ve.add_argument("--no-checksums", action="store_true", help="skip the sha256 pass (sizes and decoding only)")
     ve.set_defaults(func=_verify)
 

@@ -4,7 +4,8 @@
 
 The work is :func:`scaletrain.eval.evaluate.evaluate_checkpoint`; every hypothesis is written under the run
 directory (``RUN/eval/<split>/hyp.<src>-<tgt>.txt``, line-aligned with ``ref.*`` and ``src.*``); the report is printed beside a
-copy-the-source baseline, optionally written as JSON and logged to the training run in MLflow.
+copy-the-source baseline, drawn as per-group BLEU/chrF bars (``RUN/plots/eval_<split>_scores.png`` + ``.json``),
+optionally written as JSON and logged to the training run in MLflow.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def run(args) -> int:
     import torch
 
     from scaletrain.checkpoint import atomic_write_text
-    from scaletrain.eval.evaluate import (evaluate_checkpoint, log_to_mlflow, result_to_json, run_dir_of,
-                                          write_hypotheses)
+    from scaletrain.eval.evaluate import (evaluate_checkpoint, log_to_mlflow, plot_scores, result_to_json,
+                                          run_dir_of, write_hypotheses)
     from scaletrain.eval.scoring import format_table
 
     result = evaluate_checkpoint(
@@ -54,9 +55,15 @@ def run(args) -> int:
     hyp_dir = Path(args.hyp_dir) if args.hyp_dir else run_dir_of(result["checkpoint"]) / "eval" / result["split"]
     files = write_hypotheses(result, hyp_dir)
     print(f"wrote {len(files) // 3} directions' src/ref/hyp files to {hyp_dir}")
+    plots = []
+    try:
+        plots.append(plot_scores(result, run_dir_of(result["checkpoint"])))
+        print(f"wrote {plots[0]}")
+    except Exception as e:  # noqa: BLE001 - a plot must not lose an evaluation that already ran
+        log.warning("could not plot the scores: %s", e)
     if not args.no_track:
         try:
-            log_to_mlflow(result, hyp_dir)
+            log_to_mlflow(result, hyp_dir, plots=tuple(plots))
         except Exception as e:  # tracking must not lose an evaluation that already ran
             log.warning("could not log evaluation to MLflow run %s: %s", result.get("run_id"), e)
     return 0

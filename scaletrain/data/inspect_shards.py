@@ -1,7 +1,11 @@
 """Look at a prepared shard directory: statistics (``scaletrain data stats``) and an integrity check
-(``scaletrain data verify``)."""
+(``scaletrain data verify``). Both take a directory, an ``http(s)://`` URL or a ``pipe:`` command
+(``scaletrain.data.sources``); ``stats`` reads only the blocks' length headers (range requests for a
+URL), ``verify`` fetches every shard whole."""
 from __future__ import annotations
 
+import hashlib
+import io
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.data.shards import load_manifest, read_block
+from scaletrain.data.sources import is_remote, open_source
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import sha256_file as file_sha256
 
@@ -18,6 +23,7 @@ PERCENTILES = (50, 90, 99, 100)
 def data_stats(shard_dir: str | Path, splits: list[str] | None = None) -> dict:
     """Per split and direction: pairs, byte totals, byte-length percentiles of each side; plus the
     filter / cleaning counters from the manifest. Reads only the blocks' length arrays."""
+    shard_dir = open_source(shard_dir)
     m = load_manifest(shard_dir)
     names = list(m.splits) if splits is None else splits
     out: dict = {"languages": m.languages, "splits": {}, "cleaning": m.cleaning, "source": m.source}
@@ -88,20 +94,45 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_shard(shard_dir: Path, sh, checksums: bool, rep: VerifyReport) -> int:
+class _Fetched:
+    """A whole shard fetched from a URL or pipe: held in memory, read like a directory by ``read_block``."""
+
+    def __init__(self, src, sh):
+        self.src, self.name = src, src.where(sh.name)
+        self.raw = src.read(sh, 0, sh.bytes)
+
+    def where(self, name: str) -> str:
+        return self.name
+
+    def read(self, shard, offset: int, size: int) -> bytes:
+        return self.raw[offset:offset + size]
+
+
+def _check_shard(shard_dir, sh, checksums: bool, rep: VerifyReport, n_langs: int | None = None) -> int:
     """Size, sha256 and tar member table of one shard, then decode its blocks; problems go to ``rep``.
     Returns the number of examples decoded."""
-    path = shard_dir / sh.name
-    if not path.is_file():
-        rep.problems.append(f"{path}: missing")
-        return 0
-    size = path.stat().st_size
+    if is_remote(shard_dir):
+        try:
+            fetched = _Fetched(open_source(shard_dir), sh)
+        except ScaletrainError as e:
+            rep.problems.append(str(e))
+            return 0
+        path, raw, size = fetched.name, fetched.raw, len(fetched.raw)
+        digest = (lambda: hashlib.sha256(raw).hexdigest())  # noqa: E731
+        reader = fetched
+    else:
+        path = shard_dir / sh.name
+        if not path.is_file():
+            rep.problems.append(f"{path}: missing")
+            return 0
+        size, raw, reader = path.stat().st_size, None, shard_dir
+        digest = (lambda: file_sha256(path))  # noqa: E731
     if size != sh.bytes:
         rep.problems.append(f"{path}: {size:,} bytes, the manifest says {sh.bytes:,} (truncated?)")
-    elif checksums and file_sha256(path) != sh.sha256:
+    elif checksums and digest() != sh.sha256:
         rep.problems.append(f"{path}: sha256 differs from the manifest (corrupt)")
     try:
-        with tarfile.open(path, "r:") as tar:
+        with (tarfile.open(fileobj=io.BytesIO(raw), mode="r:") if raw is not None else tarfile.open(path, "r:")) as tar:
             table = [(t.name, t.offset_data, t.size) for t in tar.getmembers()]
         want = [(f"{b.key}.pairs", b.offset, b.size) for b in sh.blocks]
         if table != want:
@@ -111,7 +142,7 @@ def _check_shard(shard_dir: Path, sh, checksums: bool, rep: VerifyReport) -> int
     n_shard = 0
     for b in sh.blocks:
         try:
-            n_shard += len(read_block(shard_dir, sh, b))
+            n_shard += len(read_block(reader, sh, b, n_langs=n_langs))
             rep.blocks += 1
         except ScaletrainError as e:
             rep.problems.append(str(e))
@@ -156,20 +187,20 @@ def verify(shard_dir: str | Path, *, checksums: bool = True) -> VerifyReport:
     Problems are collected (each names the shard) rather than raised; a missing or corrupt
     manifest raises ScaletrainError.
     """
-    shard_dir = Path(shard_dir)
+    shard_dir = shard_dir if is_remote(shard_dir) else Path(shard_dir)
     m = load_manifest(shard_dir)
     rep = VerifyReport()
     for split, info in m.splits.items():
         n_split = 0
         for sh in info.shards:
             rep.shards += 1
-            n_split += _check_shard(shard_dir, sh, checksums, rep)
+            n_split += _check_shard(shard_dir, sh, checksums, rep, len(m.languages))
         rep.examples += n_split
         if n_split != info.n_examples and not rep.problems:
             rep.problems.append(
                 f"{shard_dir}: split {split} has {n_split} examples, the manifest says {info.n_examples}"
             )
-    for t in m.tokenizers:  # models stored beside the shards (scaletrain.vocab.SubwordVocab)
+    for t in [] if is_remote(shard_dir) else m.tokenizers:  # models beside the shards (SubwordVocab); local only
         rep.tokenizers += 1
         _check_tokenizer(shard_dir, m.languages, t, checksums, rep)
     return rep

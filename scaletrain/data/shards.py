@@ -23,14 +23,19 @@ planning) are readable from the first ``12 + 12 n`` bytes alone (fewer when narr
 headers are deterministic (mtime 0, uid/gid 0, empty user/group names, mode 0644, ustar) and the
 archive ends right after its two zero blocks (no padding to tar's 10 KiB record size), so the
 same input gives byte-identical shards. The manifest records each member's data offset and
-size, so a block can be read with one seek.
+size, so a block can be read with one seek, and (format 3) each block's CRC-32, checked whenever a
+whole block is read (``read_block``): a block whose bytes changed raises ``CorruptShardError`` naming
+the shard and the member. Manifests of format 1 and 2 have no block checksums (nothing is checked
+per block; ``block_checksums`` says so).
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import json
+import logging
 import tarfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence, overload
@@ -39,7 +44,8 @@ import numpy as np
 
 import scaletrain
 from scaletrain.data.example import Example
-from scaletrain.errors import ScaletrainError
+from scaletrain.data.sources import LocalSource, as_source, is_remote
+from scaletrain.errors import CorruptShardError, ScaletrainError
 from scaletrain.fileio import atomic_write_bytes, sha256_bytes
 
 BLOCK_MAGIC = b"STPB"
@@ -52,8 +58,8 @@ FLAG_LEN_U8X = 8
 _KNOWN_FLAGS = FLAG_LANG_U8 | FLAG_LEN_U16 | FLAG_LEN_U8 | FLAG_LEN_U8X
 _LEN_FLAGS = FLAG_LEN_U16 | FLAG_LEN_U8 | FLAG_LEN_U8X
 FORMAT_NAME = "scaletrain-shards"
-FORMAT_VERSION = 2  # 2: block tables as arrays (1: a list of objects; still read)
-READ_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 3: per-block CRC-32; 2: block tables as arrays (1: a list of objects); all read
+READ_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 SPLITS = ("train", "valid", "test")
 MAX_LANGS = 65535
@@ -151,14 +157,15 @@ class PairBlock(BlockLengths):
 def _parse_header(buf: bytes, where: str) -> tuple[int, int]:
     """(n, flags) of a block."""
     if len(buf) < HEADER_BYTES:
-        raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, header needs {HEADER_BYTES})")
+        raise CorruptShardError(f"{where}: block truncated ({len(buf)} bytes, header needs {HEADER_BYTES})")
     if buf[:4] != BLOCK_MAGIC:
-        raise ScaletrainError(f"{where}: not a scaletrain block (magic {buf[:4]!r}, expected {BLOCK_MAGIC!r})")
+        raise CorruptShardError(f"{where}: not a scaletrain block (magic {buf[:4]!r}, expected {BLOCK_MAGIC!r})")
     version, flags = np.frombuffer(buf, dtype="<u2", count=2, offset=4).tolist()
     if version != BLOCK_VERSION:
-        raise ScaletrainError(f"{where}: block format version {version}, this scaletrain reads {BLOCK_VERSION}")
+        raise CorruptShardError(f"{where}: block format version {version}, this scaletrain reads {BLOCK_VERSION}")
     if flags & ~_KNOWN_FLAGS or bin(flags & _LEN_FLAGS).count("1") > 1:
-        raise ScaletrainError(f"{where}: unknown block flags {flags:#x}; the shard is corrupt or from a newer scaletrain")
+        raise CorruptShardError(f"{where}: unknown block flags {flags:#x}; the shard is corrupt or from a newer "
+                                "scaletrain")
     return int(np.frombuffer(buf, dtype="<u4", count=1, offset=8)[0]), flags
 
 
@@ -169,7 +176,7 @@ def _decode_arrays(buf: bytes, where: str) -> tuple[BlockLengths, int]:
     lw, nw = np.dtype(lang).itemsize, np.dtype(length).itemsize
     need = HEADER_BYTES + 2 * n * (lw + nw)
     if len(buf) < need:
-        raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need})")
+        raise CorruptShardError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need})")
     o = HEADER_BYTES
     src_lang = np.frombuffer(buf, lang, n, o)
     tgt_lang = np.frombuffer(buf, lang, n, o + lw * n)
@@ -181,7 +188,7 @@ def _decode_arrays(buf: bytes, where: str) -> tuple[BlockLengths, int]:
         es, et = np.flatnonzero(src_len == 255), np.flatnonzero(tgt_len == 255)
         k = len(es) + len(et)
         if len(buf) < need + 4 * k:
-            raise ScaletrainError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need + 4 * k})")
+            raise CorruptShardError(f"{where}: block truncated ({len(buf)} bytes, its arrays need {need + 4 * k})")
         overflow = np.frombuffer(buf, "<u4", k, need)
         src_len, tgt_len = src_len.astype("<u4"), tgt_len.astype("<u4")
         src_len[es] = overflow[: len(es)]
@@ -207,7 +214,7 @@ def decode_block(buf: bytes, where: str = "block") -> PairBlock:
     np.cumsum(h.tgt_len, out=tgt_off[1:])
     ns, nt = int(src_off[-1]), int(tgt_off[-1])
     if len(buf) != o + ns + nt:
-        raise ScaletrainError(
+        raise CorruptShardError(
             f"{where}: block size {len(buf)} does not match its header ({o + ns + nt} bytes expected); "
             "the shard is corrupt or truncated"
         )
@@ -226,24 +233,27 @@ class BlockInfo:
     offset: int  # byte offset of the member's data in the tar file
     size: int
     n: int
+    crc32: int | None = field(default=None, compare=False)  # of the member's bytes (format 3); None: unknown
 
 
 class BlockTable(Sequence[BlockInfo]):
-    """The blocks of one shard, held as three int64 arrays (constant memory per block).
+    """The blocks of one shard, held as int64 arrays (constant memory per block).
 
     A sequence of ``BlockInfo`` built on access; block ``i`` of shard ``{split}-{k:06d}.tar`` has
-    the key ``{split}-{k:06d}-{i:06d}``. Compares equal to another table or a list of BlockInfo
-    with the same entries.
+    the key ``{split}-{k:06d}-{i:06d}``. ``crc32`` is None for manifests older than format 3.
+    Compares equal to another table or a list of BlockInfo with the same entries.
     """
 
-    __slots__ = ("stem", "offset", "size", "n")
+    __slots__ = ("stem", "offset", "size", "n", "crc32")
 
-    def __init__(self, stem: str, offset, size, n):
+    def __init__(self, stem: str, offset, size, n, crc32=None):
         self.stem = stem
         self.offset = np.asarray(offset, dtype=np.int64).reshape(-1)
         self.size = np.asarray(size, dtype=np.int64).reshape(-1)
         self.n = np.asarray(n, dtype=np.int64).reshape(-1)
-        if not (len(self.offset) == len(self.size) == len(self.n)):
+        self.crc32 = None if crc32 is None else np.asarray(crc32, dtype=np.int64).reshape(-1)
+        if not (len(self.offset) == len(self.size) == len(self.n)) or (
+                self.crc32 is not None and len(self.crc32) != len(self.n)):
             raise ValueError("block table arrays differ in length")
 
     @classmethod
@@ -251,7 +261,8 @@ class BlockTable(Sequence[BlockInfo]):
         for i, b in enumerate(blocks):
             if b.key != f"{stem}-{i:06d}":
                 raise ScaletrainError(f"block {i} of {stem}.tar is named {b.key!r}, expected {stem}-{i:06d}")
-        return cls(stem, [b.offset for b in blocks], [b.size for b in blocks], [b.n for b in blocks])
+        crc = [b.crc32 for b in blocks] if blocks and all(b.crc32 is not None for b in blocks) else None
+        return cls(stem, [b.offset for b in blocks], [b.size for b in blocks], [b.n for b in blocks], crc)
 
     def __len__(self) -> int:
         return int(self.n.shape[0])
@@ -269,11 +280,13 @@ class BlockTable(Sequence[BlockInfo]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return BlockInfo(f"{self.stem}-{i:06d}", int(self.offset[i]), int(self.size[i]), int(self.n[i]))
+        crc = None if self.crc32 is None else int(self.crc32[i])
+        return BlockInfo(f"{self.stem}-{i:06d}", int(self.offset[i]), int(self.size[i]), int(self.n[i]), crc)
 
     def __iter__(self) -> Iterator[BlockInfo]:
-        for i, (o, s, n) in enumerate(zip(self.offset.tolist(), self.size.tolist(), self.n.tolist())):
-            yield BlockInfo(f"{self.stem}-{i:06d}", o, s, n)
+        crc = [None] * len(self) if self.crc32 is None else self.crc32.tolist()
+        for i, (o, s, n, c) in enumerate(zip(self.offset.tolist(), self.size.tolist(), self.n.tolist(), crc)):
+            yield BlockInfo(f"{self.stem}-{i:06d}", o, s, n, c)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, BlockTable):
@@ -288,22 +301,28 @@ class BlockTable(Sequence[BlockInfo]):
 
     # in the manifest: little-endian arrays, base64 (a 55M-pair corpus has ~120k blocks; as JSON
     # lists of numbers they would cost ~15 MB of Python objects while loading the manifest)
-    _DTYPES = {"offset": "<i8", "size": "<u4", "n": "<u4"}
+    _DTYPES = {"offset": "<i8", "size": "<u4", "n": "<u4", "crc32": "<u4"}
 
     def to_dict(self) -> dict:
-        out = {"encoding": "base64 little-endian: offset int64, size uint32, n uint32"}
+        out = {"encoding": "base64 little-endian: offset int64, size uint32, n uint32, crc32 uint32 (zlib)"}
         for k, dt in self._DTYPES.items():
-            out[k] = base64.b64encode(getattr(self, k).astype(dt).tobytes()).decode("ascii")
+            if getattr(self, k) is not None:
+                out[k] = base64.b64encode(getattr(self, k).astype(dt).tobytes()).decode("ascii")
         return out
 
     @classmethod
     def from_dict(cls, stem: str, d: dict) -> "BlockTable":
-        """Arrays as written by ``to_dict``, or plain JSON lists of numbers."""
+        """Arrays as written by ``to_dict``, or plain JSON lists of numbers (``crc32`` optional)."""
         arrs = {}
         for k, dt in cls._DTYPES.items():
-            v = d[k]
-            arrs[k] = np.frombuffer(base64.b64decode(v, validate=True), dt) if isinstance(v, str) else np.asarray(v)
-        return cls(stem, arrs["offset"], arrs["size"], arrs["n"])
+            v = d.get(k) if k == "crc32" else d[k]
+            if v is not None:
+                arrs[k] = np.frombuffer(base64.b64decode(v, validate=True), dt) if isinstance(v, str) else np.asarray(v)
+        return cls(stem, arrs["offset"], arrs["size"], arrs["n"], arrs.get("crc32"))
+
+    @property
+    def has_checksums(self) -> bool:
+        return self.crc32 is not None
 
 
 @dataclass
@@ -330,8 +349,8 @@ class ShardInfo:
         if isinstance(b, dict):  # format 2
             table = BlockTable.from_dict(stem, b)
         else:  # format 1: a list of {key, offset, size, n}
-            table = BlockTable.from_blocks(stem, [BlockInfo(x["key"], int(x["offset"]), int(x["size"]), int(x["n"]))
-                                                  for x in b])
+            table = BlockTable.from_blocks(stem, [BlockInfo(x["key"], int(x["offset"]), int(x["size"]), int(x["n"]),
+                                                            x.get("crc32")) for x in b])
         if len(table) != int(sh["n_blocks"]):
             raise ValueError(f"shard {sh['name']}: {len(table)} blocks listed, n_blocks says {sh['n_blocks']}")
         return cls(str(sh["name"]), str(sh["sha256"]), int(sh["bytes"]), int(sh["n_examples"]), int(sh["n_blocks"]),
@@ -376,6 +395,11 @@ class Manifest:
                 f"split {name!r} is not in {self.root or 'the manifest'}; it has: {', '.join(self.splits) or 'none'}"
             )
         return self.splits[name]
+
+    @property
+    def block_checksums(self) -> bool:
+        """Every block has a CRC-32 (format 3 manifests); False for older ones (blocks unchecked)."""
+        return all(sh.blocks.has_checksums for sp in self.splits.values() for sh in sp.shards)
 
     def direction(self, src_lang: int, tgt_lang: int) -> str:
         return f"{self.languages[src_lang]}-{self.languages[tgt_lang]}"
@@ -438,19 +462,32 @@ class Manifest:
             raise ScaletrainError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); re-run `prepare`") from None
 
 
-def load_manifest(shard_dir: str | Path) -> Manifest:
-    """Read ``shard_dir/manifest.json``; missing or corrupt -> ScaletrainError naming the file."""
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise ScaletrainError(f"{path} not found: is {shard_dir} a prepared shard directory? (run `prepare` first)")
+def load_manifest(shard_dir) -> Manifest:
+    """Read ``shard_dir/manifest.json`` (a directory, URL or ``pipe:`` spec, or a source); missing or corrupt ->
+    ScaletrainError naming the file."""
+    if isinstance(shard_dir, LocalSource):
+        shard_dir = shard_dir.root
+    if is_remote(shard_dir) or not isinstance(shard_dir, (str, Path)):
+        src = as_source(shard_dir)
+        where = src.where(MANIFEST)
+        raw = src.read_file(MANIFEST)
+    else:
+        path = Path(shard_dir) / MANIFEST
+        where = str(path)
+        if not path.is_file():
+            raise ScaletrainError(f"{path} not found: is {shard_dir} a prepared shard directory? (run `prepare` first)")
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ScaletrainError(f"{path}: cannot read manifest ({e})") from None
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ScaletrainError(f"{path}: cannot parse manifest ({e}); re-run `prepare`") from None
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ScaletrainError(f"{where}: cannot parse manifest ({e}); re-run `prepare`") from None
     if not isinstance(d, dict):
-        raise ScaletrainError(f"{path}: corrupt manifest (top level is not an object); re-run `prepare`")
-    m = Manifest.from_dict(d, str(path))
-    m.root = Path(shard_dir)
+        raise ScaletrainError(f"{where}: corrupt manifest (top level is not an object); re-run `prepare`")
+    m = Manifest.from_dict(d, where)
+    m.root = Path(shard_dir) if isinstance(shard_dir, (str, Path)) and not is_remote(shard_dir) else None
     return m
 
 
@@ -565,7 +602,7 @@ class SplitWriter:
         raw, info = build_tar([(m, d) for m, d, _ in self._members])
         atomic_write_bytes(self.out / name, raw)
         blocks = BlockTable(name[: -len(".tar")], [off for _, off, _ in info], [size for _, _, size in info],
-                            [n for _, _, n in self._members])
+                            [n for _, _, n in self._members], [zlib.crc32(d) for _, d, _ in self._members])
         sh = ShardInfo(name, sha256_bytes(raw), len(raw), self._shard_n, len(blocks), blocks)
         self.shards.append(sh)
         self._members = []
@@ -600,25 +637,32 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def read_block(shard_dir: str | Path, shard: ShardInfo, block: BlockInfo, *, lengths_only: bool = False):
-    """Read one block by its manifest offset (one seek); ``lengths_only`` reads just the header arrays."""
-    path = Path(shard_dir) / shard.name
+def read_block(shard_dir, shard: ShardInfo, block: BlockInfo, *, lengths_only: bool = False,
+               n_langs: int | None = None):
+    """Read one block by its manifest offset (one seek or one range request); ``lengths_only`` reads just the
+    header arrays. ``shard_dir``: a directory, a URL / ``pipe:`` spec or a source (``scaletrain.data.sources``).
+
+    A whole block is checked against its manifest CRC-32 (format 3); with ``n_langs`` its language ids must be
+    below it. Bytes that are not what ``prepare`` wrote raise ``CorruptShardError`` naming shard and member.
+    """
+    src = as_source(shard_dir)
     want = min(HEADER_BYTES + 12 * block.n, block.size) if lengths_only else block.size
-    try:
-        with open(path, "rb") as f:
-            f.seek(block.offset)
-            buf = f.read(want)
-    except OSError as e:
-        raise ScaletrainError(f"cannot read shard {path}: {e}") from None
-    where = f"{path} member {block.key}.pairs"
+    buf = src.read(shard, block.offset, want)
+    where = f"{src.where(shard.name)} member {block.key}.pairs"
     if len(buf) < want:
-        raise ScaletrainError(f"{where}: shard truncated (read {len(buf)} of {want} bytes)")
-    if lengths_only:
-        h = decode_lengths(buf, where)
-    else:
-        h = decode_block(buf, where)
+        raise CorruptShardError(f"{where}: shard truncated (read {len(buf)} of {want} bytes)")
+    if not lengths_only and block.crc32 is not None and zlib.crc32(buf) != block.crc32:
+        raise CorruptShardError(f"{where}: checksum mismatch (crc32 {zlib.crc32(buf):08x}, the manifest says "
+                                f"{block.crc32:08x}): the shard is corrupt; re-create or re-download it, or set "
+                                "data.on_corrupt=skip to skip such blocks")
+    h = decode_lengths(buf, where) if lengths_only else decode_block(buf, where)
     if len(h) != block.n:
-        raise ScaletrainError(f"{where}: block holds {len(h)} examples, the manifest says {block.n}")
+        raise CorruptShardError(f"{where}: block holds {len(h)} examples, the manifest says {block.n}")
+    if n_langs is not None and len(h):
+        top = max(int(h.src_lang.max()), int(h.tgt_lang.max()))
+        if top >= n_langs:
+            raise CorruptShardError(f"{where}: language id {top} out of range (the manifest lists {n_langs} "
+                                    "languages): the shard is corrupt; re-create it")
     return h
 
 
@@ -640,12 +684,23 @@ def iter_shard_blocks(path: str | Path) -> Iterator[tuple[str, PairBlock]]:
         raise ScaletrainError(f"cannot read shard {path}: {e} (corrupt or truncated?)") from None
 
 
-def read_split(shard_dir: str | Path, split: str) -> list[Example]:
-    """Every example of a split, in manifest order (shards, blocks, examples): for evaluation."""
-    m = load_manifest(shard_dir)
-    info = m.split(split)
-    out: list[Example] = []
-    for sh in info.shards:
+def iter_split(shard_dir, split: str, on_corrupt: str = "stop") -> Iterator[Example]:
+    """Every example of a split, in manifest order (shards, blocks, examples), read block by block (a reader
+    that stops early reads no more). ``on_corrupt="skip"``: a corrupt block is left out with a warning."""
+    src = as_source(shard_dir)
+    m = load_manifest(src if is_remote(shard_dir) or not isinstance(shard_dir, (str, Path)) else shard_dir)
+    for sh in m.split(split).shards:
         for b in sh.blocks:
-            out.extend(read_block(shard_dir, sh, b).examples())
-    return out
+            try:
+                blk = read_block(src, sh, b, n_langs=len(m.languages))
+            except CorruptShardError as e:
+                if on_corrupt != "skip":
+                    raise
+                logging.getLogger(__name__).warning("skipping a corrupt block (data.on_corrupt=skip): %s", e)
+                continue
+            yield from blk.examples()
+
+
+def read_split(shard_dir, split: str, on_corrupt: str = "stop") -> list[Example]:
+    """Every example of a split, in manifest order (shards, blocks, examples): for evaluation."""
+    return list(iter_split(shard_dir, split, on_corrupt))

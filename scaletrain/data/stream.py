@@ -43,9 +43,20 @@ slot's examples: they come from the lengths files written with the model (``spm<
 see ``scaletrain.data.spm_train``), so a rank tokenizes only its own blocks (and checks them against those
 files); without the files every slot's blocks are tokenized (correct, slower for many slots).
 Memory stays one window: the ids of the rank's own examples.
+
+Corrupt blocks (``on_corrupt``): every whole block read is checked against its manifest CRC-32 and its
+language ids against the manifest's language table (``read_block``). ``stop`` (default) raises one line
+naming shard and member. ``skip`` keeps the plan and drops the bad block's examples from the batches:
+the plan of every slot is made from the blocks' length headers, which every rank reads alike (a header
+that does not decode counts as an empty block on every rank), so all ranks still agree on the batch
+counts; on the rank that owns the block its examples are removed from its batches, and a batch left
+empty repeats another batch of that rank in the window (a rank whose whole window is corrupt stops).
+Skipped blocks are logged and counted (``skipped_blocks``; in the state, so resumes keep the count).
+Shards may live behind a URL or a ``pipe:`` command (``scaletrain.data.sources``, ``fetch`` options).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -55,12 +66,16 @@ import torch
 
 from scaletrain.data.batch import Batch, collate_arrays
 from scaletrain.data.example import Example, token_budget_problem
-from scaletrain.data.shards import load_manifest, read_block
+from scaletrain.data.shards import CorruptShardError, load_manifest, read_block
+from scaletrain.data.sources import FetchOptions, is_remote, open_source
 from scaletrain.data.spm_models import load_token_lengths
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab.base import BYTE_OFFSET, LANG_OFFSET
 
 STATE_VERSION = 1
+ON_CORRUPT = ("stop", "skip")
+log = logging.getLogger(__name__)
+_UNCHECKED_WARNED: set = set()
 
 
 def hilbert_index(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -174,19 +189,48 @@ class _TokBlock:
         return self._blk.example(i)
 
 
+class _Dropped:
+    """A corrupt block skipped with ``on_corrupt=skip``: the lengths of its header (what every rank plans
+    with; none when the header itself is bad) and no text (``_Pool`` gives its examples length 0 and marks
+    them dropped: no batch ever takes them)."""
+
+    dropped = True
+    src_data = tgt_data = b""
+    src_ids = tgt_ids = np.zeros(0, np.int32)
+
+    def __init__(self, h=None):
+        z16, z32 = np.zeros(0, np.uint16), np.zeros(0, np.uint32)
+        self.src_lang, self.tgt_lang = (z16, z16) if h is None else (h.src_lang, h.tgt_lang)
+        self.src_len, self.tgt_len = (z32, z32) if h is None else (h.src_len, h.tgt_len)
+
+    def set_lengths(self, s, t) -> "_Dropped":
+        self.src_len, self.tgt_len = s, t
+        return self
+
+    def __len__(self) -> int:
+        return int(self.src_len.shape[0])
+
+    def example(self, i: int) -> Example:
+        raise AssertionError("an example of a skipped corrupt block was requested")
+
+
 class _Pool:
     """The examples of one slot's blocks in a window, as flat arrays (for vectorised collate)."""
 
-    def __init__(self, blocks, lang_offset: int = LANG_OFFSET):
+    def __init__(self, blocks, lang_offset: int = LANG_OFFSET, tokens: bool = False):
         self.blocks = blocks
+        self.dropped = np.concatenate([np.full(len(b), getattr(b, "dropped", False)) for b in blocks]
+                                      ) if blocks else np.zeros(0, bool)
         self.lang_offset = lang_offset
         self.starts = np.cumsum([0] + [len(b) for b in blocks])
         cat = lambda arrs, dt: np.concatenate(arrs).astype(dt, copy=False) if arrs else np.zeros(0, dt)  # noqa: E731
         self.src_lang = cat([b.src_lang for b in blocks], np.int64)
         self.tgt_lang = cat([b.tgt_lang for b in blocks], np.int64)
-        self.src_len = cat([b.src_len for b in blocks], np.int64)
-        self.tgt_len = cat([b.tgt_len for b in blocks], np.int64)
-        if blocks and isinstance(blocks[0], _TokBlock):  # subword ids, tokenized once per window
+        # the text lengths within the pool's data (a dropped block has none; its plan lengths come from its header)
+        text_len = lambda b, x: np.zeros(len(b), np.int64) if getattr(b, "dropped", False) else x  # noqa: E731
+        self.src_len = cat([text_len(b, b.src_len) for b in blocks], np.int64)
+        self.tgt_len = cat([text_len(b, b.tgt_len) for b in blocks], np.int64)
+        if tokens:  # subword ids, tokenized once per window
             self.src_data = cat([b.src_ids for b in blocks], np.int32)
             self.tgt_data = cat([b.tgt_ids for b in blocks], np.int32)
         else:  # token ids (byte + BYTE_OFFSET) as int16, computed once per window
@@ -213,6 +257,7 @@ class _WindowPlan:
     window: int
     batches: list  # list of (source slot, index array): the slot's examples they index
     pools: dict  # slot -> _Pool
+    skipped: int = 0  # corrupt blocks skipped while making this plan
 
     def examples(self, item) -> list[Example]:
         slot, idx = item
@@ -224,8 +269,10 @@ class _WindowPlan:
 
 
 def _check_stream_args(rank: int, world_size: int, max_tokens: int, max_bytes: int, buffer_size: int,
-                       temperature: float, epochs: int | None) -> None:
+                       temperature: float, epochs: int | None, on_corrupt: str = "stop") -> None:
     """Reject ``ShardStream`` settings that cannot work, before any file is read."""
+    if on_corrupt not in ON_CORRUPT:
+        raise ScaletrainError(f"on_corrupt must be stop or skip (got {on_corrupt!r})")
     if world_size < 1 or not (0 <= rank < world_size):
         raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
     if max_bytes < 1:
@@ -260,10 +307,21 @@ class ShardStream:
         shuffle: bool = True,
         temperature: float = 1.0,
         vocab=None,
+        on_corrupt: str = "stop",
+        fetch: FetchOptions | None = None,
     ):
-        _check_stream_args(rank, world_size, max_tokens, max_bytes, buffer_size, temperature, epochs)
-        self.shard_dir = Path(shard_dir)
-        self.manifest = load_manifest(shard_dir)
+        _check_stream_args(rank, world_size, max_tokens, max_bytes, buffer_size, temperature, epochs, on_corrupt)
+        self.shard_dir = shard_dir if is_remote(shard_dir) else Path(shard_dir)
+        self.source = open_source(shard_dir, fetch)
+        self.manifest = load_manifest(self.source)
+        self.on_corrupt = on_corrupt
+        self._n_langs = len(self.manifest.languages)
+        self._skipped_done = 0  # corrupt blocks skipped in the windows before the current one
+        self._plan_skips = 0  # ... while making the current plan
+        if not self.manifest.block_checksums and str(shard_dir) not in _UNCHECKED_WARNED:
+            _UNCHECKED_WARNED.add(str(shard_dir))
+            log.warning("%s: the manifest has no per-block checksums (format < 3): blocks are not verified while "
+                        "streaming; re-run `prepare` (or check the shards with `scaletrain data verify`)", shard_dir)
         self.split = split
         info = self.manifest.split(split)
         # the split's blocks as flat arrays (constant memory per block): shard number, block number
@@ -285,6 +343,9 @@ class ShardStream:
         if vocab is not None and list(vocab.langs) != list(self.manifest.languages):
             raise ScaletrainError(f"the vocabulary's languages {list(vocab.langs)} differ from {shard_dir}'s manifest "
                                   f"{self.manifest.languages}")
+        if self.vocab is not None and is_remote(shard_dir):
+            raise ScaletrainError(f"data.tokenizer=spm needs a local shard directory (its model and token lengths "
+                                  f"files are read beside the shards), not {shard_dir}")
         self.lang_offset = LANG_OFFSET if self.vocab is None else int(self.vocab.lang_offset)
         self._tok_lengths = self._load_token_lengths() if self.vocab is not None else None
         self._b_start = np.cumsum(self._b_n) - self._b_n  # first example of each block within the split
@@ -329,7 +390,7 @@ class ShardStream:
     def _read(self, block_ids: list[int], lengths_only: bool):
         # headers suffice for the byte stream's lengths, and for the subword one when its lengths file exists
         header = lengths_only and (self.vocab is None or self._tok_lengths is not None)
-        blocks = [read_block(self.shard_dir, *self.block(i), lengths_only=header) for i in block_ids]
+        blocks = [self._read_one(i, header, lengths_only) for i in block_ids]
         if self.vocab is None:
             return blocks
         if self._tok_lengths is not None:  # token lengths from the lengths file: tokenize own blocks only
@@ -337,7 +398,9 @@ class ShardStream:
             for i, b in zip(block_ids, blocks):
                 a, n = int(self._b_start[i]), int(self._b_n[i])
                 s, t = self._tok_lengths[a:a + n, 0].astype(np.int64), self._tok_lengths[a:a + n, 1].astype(np.int64)
-                if lengths_only:
+                if isinstance(b, _Dropped):
+                    b = b.set_lengths(s, t) if len(b) else b
+                elif lengths_only:
                     b.src_len, b.tgt_len = s, t
                 else:
                     b = _TokBlock(b, self.vocab)
@@ -351,7 +414,26 @@ class ShardStream:
                         )
                 out.append(b)
             return out
-        return [_TokBlock(b, self.vocab, keep=not lengths_only) for b in blocks]
+        return [b if isinstance(b, _Dropped) else _TokBlock(b, self.vocab, keep=not lengths_only) for b in blocks]
+
+    def _read_one(self, i: int, header: bool, lengths_only: bool):
+        """Block ``i`` (its length header only with ``header``); with ``on_corrupt=skip`` a corrupt block is a
+        ``_Dropped`` with the lengths of its header, which every rank decodes alike."""
+        sh, b = self.block(i)
+        try:
+            return read_block(self.source, sh, b, lengths_only=header, n_langs=self._n_langs)
+        except CorruptShardError as e:
+            if self.on_corrupt != "skip":
+                raise
+            if header:
+                return _Dropped()  # the header is bad: every rank plans this block as empty
+            if not lengths_only:  # this slot's own block: count it (other slots' owners count theirs)
+                self._plan_skips += 1
+                log.warning("skipping a corrupt block (data.on_corrupt=skip): %s", e)
+            try:
+                return _Dropped(read_block(self.source, sh, b, lengths_only=True, n_langs=self._n_langs))
+            except CorruptShardError:
+                return _Dropped()
 
     def _load_token_lengths(self):
         """The split's per-example (source, target) token lengths [n, 2] (memory-mapped), or None."""
@@ -404,10 +486,12 @@ class ShardStream:
         me = self.rank
         pools: dict = {}
         plans = []
+        self._plan_skips = 0
+        tokens = self.vocab is not None
         for s, ids in enumerate(slots):
             blocks = self._read(ids, lengths_only=(s != me))
             if s == me:
-                pools[me] = _Pool(blocks, self.lang_offset)
+                pools[me] = _Pool(blocks, self.lang_offset, tokens)
             plans.append(self._slot_batches(blocks, epoch, window, s))
         counts = [len(p) for p in plans]
         target = min(counts) if self.drop_last else max(counts)
@@ -415,13 +499,25 @@ class ShardStream:
         if len(mine) < target:  # fewer examples than batches needed: repeat batches (documented)
             donor = me if plans[me] else next(s for s, p in enumerate(plans) if p)
             if donor not in pools:
-                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False), self.lang_offset)
+                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False), self.lang_offset, tokens)
             src = list(mine) if donor == me else [(donor, b) for b in plans[donor]]
             i = 0
             while len(mine) < target:
                 mine.append(src[i % len(src)])
                 i += 1
-        return _WindowPlan(epoch, window, mine, pools)
+        if any(p.dropped.any() for p in pools.values()):
+            mine = self._without_dropped(mine, pools, epoch, window)
+        return _WindowPlan(epoch, window, mine, pools, self._plan_skips)
+
+    def _without_dropped(self, mine: list, pools: dict, epoch: int, window: int) -> list:
+        """The batches without the examples of skipped blocks; a batch left empty repeats another one of
+        this rank's window, so the batch count (agreed by every rank from the headers) does not change."""
+        kept = [(s, idx[~pools[s].dropped[idx]]) for s, idx in mine]
+        full = [x for x in kept if len(x[1])]
+        if mine and not full:
+            raise ScaletrainError(f"rank {self.rank}: every example of window {window} of epoch {epoch} of "
+                                  f"{self.shard_dir} is in a corrupt block; re-create or re-download the shards")
+        return [x if len(x[1]) else full[i % len(full)] for i, x in enumerate(kept)]
 
     def _get_plan(self) -> _WindowPlan:
         p = self._plan
@@ -450,9 +546,19 @@ class ShardStream:
                     )
                 self._advance(0)
 
+    @property
+    def skipped_blocks(self) -> int:
+        """Corrupt blocks this slot skipped so far (``on_corrupt=skip``), the current window's included."""
+        p = self._plan
+        now = p.skipped if p is not None and (p.epoch, p.window) == (self._epoch, self._window) else 0
+        return self._skipped_done + now
+
     def _advance(self, n_batches: int) -> None:
         self._batch += 1
         if self._batch >= n_batches:
+            p = self._plan
+            if p is not None and (p.epoch, p.window) == (self._epoch, self._window):
+                self._skipped_done += p.skipped
             self._batch = 0
             self._window += 1
             if self._window >= self.n_windows:
@@ -489,9 +595,11 @@ class ShardStream:
         return cfg
 
     def state_dict(self) -> dict:
-        """Small and JSON-able; identical on every rank (ranks move in lockstep)."""
+        """Small and JSON-able; identical on every rank (ranks move in lockstep) but for the counts of corrupt
+        blocks skipped (``skipped_blocks``: in the windows before the current one, what a resume starts from;
+        ``skipped_total``: the current window's too)."""
         return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window, "batch": self._batch,
-                "config": self._config()}
+                "config": self._config(), "skipped_blocks": self._skipped_done, "skipped_total": self.skipped_blocks}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -509,6 +617,7 @@ class ShardStream:
         if not (0 <= window < self.n_windows) or batch < 0 or epoch < 0:
             raise ScaletrainError(f"data-stream state out of range: epoch {epoch}, window {window}, batch {batch}")
         self._epoch, self._window, self._batch = epoch, window, batch
+        self._skipped_done = int(state.get("skipped_blocks", 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +661,7 @@ class _SlotDataset(torch.utils.data.IterableDataset):
         batches, pos = [], []
         for batch in it:
             batches.append(batch)
-            pos.append((s._epoch, s._window, s._batch))
+            pos.append((s._epoch, s._window, s._batch, s._skipped_done, s.skipped_blocks))
             if s._batch % self.chunk == 0:  # the next batch starts a chunk (or a window)
                 yield v, base, np.asarray(pos, dtype=np.int64), _pack_chunk(batches)
                 batches, pos = [], []
@@ -600,6 +709,25 @@ def _unpack_chunk(packed) -> list[Batch]:
     return out
 
 
+def auto_num_workers(device_type: str, shards, local_ranks: int, cores: int) -> tuple[int, str]:
+    """``data.num_workers: auto``: (workers per rank, why). Workers pay where the training process would
+    otherwise wait for data that other processes can prepare meanwhile: on an accelerator whose host has
+    spare cores (at least 4 per local rank), and for remote shards (``http(s)://`` / ``pipe:``), whose
+    reads wait on the network, not on a core. On a CPU-only host every core already trains (one torch
+    thread per core), so workers compete with the model for the same cores: in process there
+    (``benchmarks/bench_loader_workers.py``)."""
+    from scaletrain.data.sources import is_remote
+
+    per_rank = cores // max(1, local_ranks)
+    if is_remote(shards):
+        return 2, "shards are remote: workers overlap the network reads with training"
+    if device_type != "cpu" and per_rank >= 4:
+        return 2, f"{device_type} training with {per_rank} host cores per rank"
+    if device_type == "cpu":
+        return 0, "CPU training uses every core; workers would compete with it"
+    return 0, f"only {per_rank} host core(s) per rank"
+
+
 class ShardLoader:
     """``ShardStream`` served by ``num_workers`` DataLoader worker processes, exactly resumable.
 
@@ -640,6 +768,11 @@ class ShardLoader:
         self._next = 0
 
     @property
+    def skipped_blocks(self) -> int:
+        """Corrupt blocks skipped so far by this rank's worker slots (``on_corrupt=skip``)."""
+        return sum(int(p.get("skipped_total", 0)) for p in self._positions if p is not None)
+
+    @property
     def epoch(self) -> int:
         pos = self._positions[self._next]
         return 0 if pos is None else int(pos["epoch"])
@@ -659,8 +792,9 @@ class ShardLoader:
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                                          prefetch_factor=self.prefetch_factor, collate_fn=_identity)
         for v, base, pos, packed in dl:
-            for (e, w, b), batch in zip(pos.tolist(), _unpack_chunk(packed)):
-                self._advance(v, {**base, "epoch": e, "window": w, "batch": b})
+            for (e, w, b, sd, st), batch in zip(pos.tolist(), _unpack_chunk(packed)):
+                self._advance(v, {**base, "epoch": e, "window": w, "batch": b, "skipped_blocks": sd,
+                                  "skipped_total": st})
                 yield batch
 
     def state_dict(self) -> dict:

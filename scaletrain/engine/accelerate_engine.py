@@ -187,6 +187,13 @@ class AccelerateEngine(Engine):
             return self._ds.lr
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def loss_scale(self) -> float | None:
+        """fp16: DeepSpeed's scale, or the GradScaler's (``get_scale()``, one host sync); else None."""
+        if self._ds is not None:
+            return self._ds.loss_scale()
+        scaler = getattr(self.acc, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
     def partitioned(self) -> bool:
         if self._ds is not None:
             return self._ds.partitioned()

@@ -73,6 +73,10 @@ class Engine(ABC):
     @abstractmethod
     def lr(self) -> float: ...
 
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale; None when no loss scaling is used (fp32, bf16)."""
+        return None
+
     @abstractmethod
     def save(self, ckpt_dir: Path, tag: str) -> None:
         """Write model/optimizer/scheduler state under ckpt_dir/tag (collective)."""

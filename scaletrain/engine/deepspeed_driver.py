@@ -178,6 +178,16 @@ class DeepSpeedDriver:
     def lr(self) -> float:
         return float(self.e.get_lr()[0])
 
+    def loss_scale(self) -> float | None:
+        """fp16: the optimizer's current scale (FP16_Optimizer: ``loss_scale_config.cur_scale``; ZeRO:
+        ``cur_scale``); None otherwise."""
+        if not self.e.fp16_enabled():
+            return None
+        opt = self.e.optimizer
+        holder = getattr(opt, "loss_scale_config", None) or opt
+        scale = getattr(holder, "cur_scale", None)
+        return float(scale) if scale is not None else None
+
     def partitioned(self) -> bool:
         """ZeRO-3, or expert parallelism (this rank holds only its experts; every forward exchanges)."""
         return self.ep.active or is_partitioned(self.e.module)

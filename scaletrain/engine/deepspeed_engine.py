@@ -80,6 +80,9 @@ class DeepSpeedEngine(Engine):
     def lr(self) -> float:
         return self.driver.lr
 
+    def loss_scale(self) -> float | None:
+        return self.driver.loss_scale()
+
     def partitioned(self) -> bool:
         return self.driver.partitioned()
 

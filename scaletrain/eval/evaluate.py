@@ -115,7 +115,14 @@ def result_to_json(result: dict) -> dict:
     return out
 
 
-def log_to_mlflow(result: dict, hyp_dir: str | Path | None = None) -> None:
+def plot_scores(result: dict, run_dir: str | Path) -> Path:
+    """``run_dir/plots/eval_<split>_scores.png`` (+ ``.json``): BLEU/chrF per group beside the copy baseline."""
+    from scaletrain.plots import plot_eval_scores
+
+    return plot_eval_scores(result_to_json(result), Path(run_dir) / "plots" / f"eval_{result['split']}_scores.png")
+
+
+def log_to_mlflow(result: dict, hyp_dir: str | Path | None = None, plots: tuple = ()) -> None:
     run_id = result.get("run_id")
     if not run_id:
         return
@@ -142,4 +149,8 @@ def log_to_mlflow(result: dict, hyp_dir: str | Path | None = None) -> None:
     tr.log_dict(result_to_json(result), f"eval_{split}.json")
     if hyp_dir is not None and Path(hyp_dir).is_dir():
         tr.log_artifact(hyp_dir, f"eval/{split}")
+    for p in plots:  # PNGs and the JSON beside each
+        for f in (Path(p), Path(p).with_suffix(".json")):
+            if f.is_file():
+                tr.log_artifact(f, "plots")
     tr.end("FINISHED")

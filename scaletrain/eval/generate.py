@@ -312,14 +312,14 @@ def _reorder_beams(model, cache, flat: torch.Tensor, shrunk: bool):
     are left as they are, and when at most half of the rows move (usually most beams keep their row) only
     the moved rows of the self-attention K/V are rewritten, in place. After rows were dropped (``shrunk``)
     or for any other cache type, ``model.reorder_cache`` does the whole reorder."""
-    from scaletrain.models.transformer import DecoderCache
+    from scaletrain.models.transformer import DecoderCache, kv_index_select
 
     if shrunk or type(cache) is not DecoderCache:
         return model.reorder_cache(cache, flat)
     moved = (flat != torch.arange(flat.numel(), device=flat.device)).nonzero().squeeze(1)
     if moved.numel() * 2 > flat.numel():
         return DecoderCache([
-            {n: (t if n in _ENCODER_SIDE_KEYS else t.index_select(0, flat)) for n, t in layer.items()}
+            {n: (t if n in _ENCODER_SIDE_KEYS else kv_index_select(t, flat)) for n, t in layer.items()}
             for layer in cache.layers
         ])
     # most beams keep their row: copy only the rows that change, in place (the self-attention K/V are

@@ -132,17 +132,20 @@ class BleuValidator:
         return list(range(rank, len(self.examples), world_size))
 
     def run(self, model, *, rank: int = 0, world_size: int = 1,
-            gather: Callable[[object], list] | None = None) -> ValidationResult:
+            gather: Callable[[object], list] | None = None,
+            progress: Callable[[int], None] | None = None) -> ValidationResult:
         """Decode this rank's share with ``model`` (no collectives), gather every rank's hypotheses (a
         collective: all ranks must call ``run``), score the whole subset. ``gather(obj) -> [obj of each
-        rank]`` defaults to ``torch.distributed.all_gather_object``."""
+        rank]`` defaults to ``torch.distributed.all_gather_object``; ``progress(n)`` is called after each
+        decoded batch of this rank with its number of lines."""
         if not (0 <= rank < world_size):
             raise ScaletrainError(f"BleuValidator.run: rank {rank} outside world size {world_size}")
         t0 = time.time()
         idx = self.share(rank, world_size)
         mine: list[tuple[int, str, int]] = []
         if idx:
-            res = translate_examples(model, [self.examples[i] for i in idx], self.vocab, **self.decode_kw)
+            res = translate_examples(model, [self.examples[i] for i in idx], self.vocab, progress=progress,
+                                     **self.decode_kw)
             mine = list(zip(idx, res.texts, res.invalid))
         parts = gather(mine) if gather is not None else _all_gather_objects(mine, world_size)
         hyps: list[str | None] = [None] * len(self.examples)

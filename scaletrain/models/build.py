@@ -1,6 +1,7 @@
 """``build_model``: validate a ``ModelConfig`` and run the builder registered for its arch."""
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence
 
 from torch import nn
@@ -33,12 +34,18 @@ def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str
 
     ``moe``: the run's ``moe`` section (sparse MoE feed-forward layers, ``scaletrain.models.moe``;
     None or ``num_experts: 0`` = the dense model); ``parallel``: this rank's ``ParallelContext``
-    (which experts it holds; None = a single process holding every expert)."""
+    (which experts it holds; None = a single process holding every expert). MoCE's conv experts are
+    partitioned only with ``moe.moce_partition`` (``scaletrain.models.moce_ep``)."""
     build = builder(cfg.arch)
     cfg.validate(vocab_size)
-    if moe is None or not moe.enabled():
-        return build(cfg, vocab_size, pieces)
-    moe.validate(cfg)
-    if parallel is not None and parallel.ep_size != moe.ep_size:
+    if moe is not None and parallel is not None and parallel.ep_size != moe.ep_size:
         raise ScaletrainError(f"moe.ep_size={moe.ep_size} but the parallel context has ep_size {parallel.ep_size}")
-    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel))
+    if moe is not None:
+        moe.validate(cfg)
+    # builders with experts of their own (MoCE) take the parallel context when they are to be partitioned
+    extra = {}
+    if moe is not None and moe.moce_partition and "parallel" in inspect.signature(build).parameters:
+        extra["parallel"] = parallel
+    if moe is None or not moe.enabled():
+        return build(cfg, vocab_size, pieces, **extra)
+    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel), **extra)

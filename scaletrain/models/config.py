@@ -317,8 +317,12 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
     shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
     # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP;
-    # DeepSpeed ZeRO-0 fp32, ZeRO-1/2); MoCE's contextualization experts stay replicated (expert-parallel MoCE: not yet)
+    # DeepSpeed ZeRO-0 fp32, ZeRO-1/2)
     ep_size: int = 1
+    # MoCE (arch moce) with ep_size > 1: also spread each Ada-MSHA layer's conv experts over the EP group
+    # (scaletrain.models.moce_ep). Off by default: they are small, moving a window costs more than computing
+    # it (README, "Expert parallelism"), so they stay replicated like every other dense weight.
+    moce_partition: bool = False
 
     def enabled(self) -> bool:
         return self.num_experts > 0
@@ -342,12 +346,20 @@ class MoEConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 bad(key, f"must be a number >= 0, got {v!r}")
-        if not isinstance(self.shared_expert, bool):
-            bad("shared_expert", f"must be true or false, got {self.shared_expert!r}")
+        for key in ("shared_expert", "moce_partition"):
+            if not isinstance(getattr(self, key), bool):
+                bad(key, f"must be true or false, got {getattr(self, key)!r}")
+        if self.moce_partition:
+            if model.arch != "moce":
+                bad("moce_partition", f"is true but model.arch is {model.arch!r}: only MoCE has conv experts")
+            n_conv = sum(1 for k in model.conv.kernels if k > 0)
+            if self.ep_size > n_conv:
+                bad("ep_size", f"{self.ep_size} is more than the {n_conv} conv experts of a MoCE layer "
+                    "(moe.moce_partition puts each on one rank)")
         if not self.enabled():
-            if self.ep_size > 1:
-                bad("ep_size", f"is {self.ep_size} but moe.num_experts is 0: there are no experts to split "
-                    "(expert-parallel MoCE is not implemented yet)")
+            if self.ep_size > 1 and not self.moce_partition:
+                bad("ep_size", f"is {self.ep_size} but moe.num_experts is 0 and moe.moce_partition is false: "
+                    "there are no experts to split")
             return
         if self.top_k > self.num_experts:
             bad("top_k", f"{self.top_k} is more than moe.num_experts={self.num_experts}")

@@ -24,9 +24,11 @@ from torch import nn
 
 from scaletrain.models.config import ModelConfig
 from scaletrain.models.embeddings import make_embeddings
+from scaletrain.models.moce_ep import routed_experts_ep, shard_conv_experts
 from scaletrain.models.moce_routed import routed_experts
 from scaletrain.models.registry import register_model
 from scaletrain.models.transformer import EncoderContext, SelfAttention, Transformer
+from scaletrain.parallel import ParallelContext
 from scaletrain.vocab import LANG_OFFSET, PAD
 
 
@@ -127,7 +129,7 @@ class MoCEExperts(nn.Module):
     """
 
     def __init__(self, kernels: list[int], head_dim: int, top_k: int, lid: bool, n_langs: int, *,
-                 dispatch: str = "auto", kernel_mode: str = "auto"):
+                 dispatch: str = "auto", kernel_mode: str = "auto", parallel: ParallelContext | None = None):
         super().__init__()
         self.kernels = list(kernels)
         self.head_dim = head_dim
@@ -161,6 +163,10 @@ class MoCEExperts(nn.Module):
         self.dispatch = dispatch  # auto | dense | routed (model.moce.dispatch)
         self.kernel_mode = kernel_mode  # model.kernels: auto lets dispatch auto take the routed path on CPU
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
+        # expert parallelism (moe.ep_size > 1): each conv expert on one rank of the EP group (moce_ep)
+        self.parallel = parallel if parallel is not None and parallel.ep_size > 1 else None
+        self.owners = (shard_conv_experts(self.weights, self.biases, self.conv_kernels, self.parallel)
+                       if self.parallel is not None else None)
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
         """z [N, T, Dh] -> [N, T, n_conv, Dh] (one stacked conv)."""
@@ -229,6 +235,11 @@ class MoCEExperts(nn.Module):
                 dense = w.new_zeros(G, B, H, T, self.n_experts).scatter(-1, idx, w)
             self._accumulate(dense, pad_mask, lang)
         zf = z.reshape(N, T, Dh)
+        if self.parallel is not None:
+            real = (~pad_mask)[None, :, None, :].expand(G, B, H, T)
+            out = routed_experts_ep(zf, w.reshape(N, T, K), idx.reshape(N, T, K), real, self.kernels,
+                                    self.is_identity, self.weights, self.biases, self.owners, self.parallel)
+            return out.view(G, B, H, T, Dh)
         if self.routed_path(z):
             real = (~pad_mask)[None, :, None, :].expand(G, B, H, T)
             out = routed_experts(zf, w.reshape(N, T, K), idx.reshape(N, T, K), real, self.kernels,
@@ -301,12 +312,12 @@ class MoCEExperts(nn.Module):
 class AdaMSHAAttention(SelfAttention):
     """Ada-MSHA (MoCE): q, k, v of every head go through the routed expert mixture, then SDPA."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, parallel: ParallelContext | None = None):
         super().__init__(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.kernels)
         moce = cfg.moce
         self.route_scaled_q = moce.route_scaled_q
         self.variant = MoCEExperts(cfg.conv.kernels, self.head_dim, moce.top_k, moce.lid, vocab_size - LANG_OFFSET,
-                                   dispatch=moce.dispatch, kernel_mode=cfg.kernels)
+                                   dispatch=moce.dispatch, kernel_mode=cfg.kernels, parallel=parallel)
 
     @staticmethod
     def source_tag(src: torch.Tensor) -> torch.Tensor:
@@ -356,5 +367,8 @@ def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Tran
 
 
 @register_model("moce")
-def build_moce(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
-    return _build(cfg, vocab_size, pieces, lambda: AdaMSHAAttention(cfg, vocab_size), ffn)
+def build_moce(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None,
+               parallel: ParallelContext | None = None) -> Transformer:
+    """``parallel``: with ep_size > 1 the conv experts of every Ada-MSHA layer are spread over the EP
+    group (``scaletrain.models.moce_ep``)."""
+    return _build(cfg, vocab_size, pieces, lambda: AdaMSHAAttention(cfg, vocab_size, parallel), ffn)

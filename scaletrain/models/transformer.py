@@ -320,9 +320,7 @@ class DecoderLayer(nn.Module):
         q, k, v = a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h))
         if layer_cache is None:  # full sequence, causal
             return a.attend(q, k, v, is_causal=True)
-        if "k" in layer_cache:
-            k = torch.cat([layer_cache["k"], k], dim=2)
-            v = torch.cat([layer_cache["v"], v], dim=2)
+        k, v = kv_append(layer_cache.get("k"), k), kv_append(layer_cache.get("v"), v)
         layer_cache["k"], layer_cache["v"] = k, v
         return a.attend(q, k, v)  # one query at the newest position sees every cached key
 
@@ -333,7 +331,8 @@ class DecoderLayer(nn.Module):
             k, v = layer_cache["ck"], layer_cache["cv"]
         else:
             k, v = a.split(a.k_proj(enc.out)), a.split(a.v_proj(enc.out))
-            if layer_cache is not None:
+            if layer_cache is not None:  # read at every step: contiguous once (a matmul would copy each time)
+                k, v = k.contiguous(), v.contiguous()
                 layer_cache["ck"], layer_cache["cv"] = k, v
         return a.attend(q, k, v, key_mask)
 
@@ -360,15 +359,73 @@ class EncoderOut:
         return EncoderOut(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
 
 
+_KV_START = 32  # first capacity (positions) of a self-attention K/V buffer; doubled when full
+
+
+def _kv_capacity(t: torch.Tensor) -> int:
+    """Positions the buffer behind ``t`` ([B, H, n, Dh], a ``kv_append`` result) has room for; ``n``
+    for any other tensor (no room: the next append reallocates)."""
+    B, H, n, Dh = t.shape
+    cap = t.stride(1) // Dh if Dh else n
+    if cap < n or t.stride() != (H * cap * Dh, cap * Dh, Dh, 1):
+        return n
+    if t.untyped_storage().nbytes() < (t.storage_offset() + B * H * cap * Dh) * t.element_size():
+        return n
+    return cap
+
+
+def _kv_full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` widened to its whole buffer along dim 2 (positions past ``t.size(2)`` are unused)."""
+    B, H, _, Dh = t.shape
+    return t.as_strided((B, H, _kv_capacity(t), Dh), t.stride(), t.storage_offset())
+
+
+def kv_append(cached: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+    """Self-attention K or V cache ``cached`` [B, H, n, Dh] (or None) extended by ``new`` [B, H, m, Dh].
+
+    The cache is a view of a buffer with room along the position axis, written in place; the buffer is
+    reallocated with doubled capacity when full. ``torch.cat`` per step instead copies the whole cache
+    every step (quadratic in the output length: a fifth of beam-search time on CPU, measured with
+    benchmarks/bench_generate.py). Only the positions ``< n`` of a cache are ever read, so a later
+    append may overwrite the tail of a buffer that an older, shorter view still points at; caches are
+    never forked (beam reordering copies rows, ``kv_index_select``)."""
+    if cached is None:
+        cached = new.new_empty(new.shape[:2] + (0, new.size(3)))
+    B, H, n, Dh = cached.shape
+    m = new.size(2)
+    if n and n + m <= _kv_capacity(cached) and cached.dtype == new.dtype:
+        buf = _kv_full(cached)
+    else:
+        buf = new.new_empty(B, H, max(_KV_START, 2 * (n + m)), Dh)
+        buf[:, :, :n].copy_(cached)
+    buf[:, :, n:n + m].copy_(new)
+    return buf[:, :, :n + m]
+
+
+def kv_index_select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)`` into a new buffer with the same spare room as ``t``'s (a
+    ``kv_append`` cache), so the next append does not reallocate; copies only the used positions."""
+    if t.dim() != 4 or _kv_capacity(t) == t.size(2):
+        return t.index_select(0, index)
+    B, H, n, Dh = t.shape
+    buf = t.new_empty(index.numel(), H, _kv_capacity(t), Dh)
+    if t.requires_grad and torch.is_grad_enabled():  # out= does not record gradients
+        buf[:, :, :n] = t.index_select(0, index)
+    else:
+        torch.index_select(t, 0, index, out=buf[:, :, :n])
+    return buf[:, :, :n]
+
+
 @dataclass
 class DecoderCache:
-    """Per decoder layer: self-attention K/V so far ("k", "v": [B, H, t, Dh]) and the cross-attention
-    K/V of the encoder output ("ck", "cv": [B, H, S, Dh], computed once at step 0)."""
+    """Per decoder layer: self-attention K/V so far ("k", "v": [B, H, t, Dh], views of buffers with
+    room to grow, see ``kv_append``) and the cross-attention K/V of the encoder output ("ck", "cv":
+    [B, H, S, Dh], computed once at step 0)."""
 
     layers: list
 
     def index_select(self, index: torch.Tensor) -> "DecoderCache":
-        return DecoderCache([{n: t.index_select(0, index) for n, t in layer.items()} for layer in self.layers])
+        return DecoderCache([{n: kv_index_select(t, index) for n, t in layer.items()} for layer in self.layers])
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Components of the training loop; each decides its own timing and owns its state (torchtitan).
 
 * :class:`StepLogger` - train loss/nll, LR, grad norm, throughput (target tokens/s, source+target tokens/s,
-  bytes/s for the byte tokenizer), data-loader wait per step, peak memory (CUDA max allocated, or the
-  process's peak RSS), ETA and routing statistics every ``train.log_every`` updates (one log line on rank
-  0, metrics to the tracker).
+  bytes/s for the byte tokenizer), MFU (:mod:`scaletrain.train.mfu`), fp16 loss scale, MoE auxiliary
+  loss, data-loader wait per step, peak memory (CUDA max allocated, or the process's peak RSS), ETA and
+  routing statistics every ``train.log_every`` updates (one log line on rank 0, metrics to the tracker).
+* :class:`ProgressDisplay` - rank 0 at a terminal: one live line (step / max_steps, loss, tokens/s, ETA
+  within the wall-clock budget); the log lines print above it.
 * :class:`Evaluator` - validation loss every ``train.valid_every`` updates and BLEU/chrF on the fixed
   validation subset every ``train.bleu_every`` updates.
 * :class:`EarlyStopper` - best checkpoint on ``train.best_metric`` and early stopping after
@@ -14,13 +16,16 @@ Checkpoint timing is :meth:`scaletrain.checkpoint.CheckpointManager.maybe_save`;
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from scaletrain.data.sources import fetch_options
 from scaletrain.data.stream import ShardStream
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.unit import StepOutput, TranslationUnit, validation_loss
@@ -33,12 +38,69 @@ def fmt_secs(s: float) -> str:
     return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+class ProgressDisplay:
+    """A tqdm line on rank 0 when stdout is a terminal and ``tracking.progress`` is on; else nothing.
+
+    Cheap: ``step()`` is a counter increment (tqdm redraws at most every 0.5 s); loss, tokens/s and the ETA
+    (the step-based estimate capped by the wall-clock budget left) come from the step logger's report
+    every ``log_every`` updates. While it is shown, log lines go through ``tqdm.write`` (above the line)."""
+
+    def __init__(self, enabled: bool, max_steps: int, start_step: int, budget_minutes: float = 0.0):
+        self.bar = None
+        self._stack = contextlib.ExitStack()
+        if not enabled:
+            return
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        desc = "train" + (f" (budget {fmt_secs(budget_minutes * 60)})" if budget_minutes else "")
+        self.bar = tqdm(total=max_steps, initial=start_step, desc=desc, unit="step", file=sys.stdout,
+                        mininterval=0.5, dynamic_ncols=True, leave=True,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| [{elapsed}{postfix}]")
+        self._stack.enter_context(logging_redirect_tqdm())
+
+    @classmethod
+    def for_run(cls, cfg, engine, state) -> "ProgressDisplay":
+        on = bool(cfg.tracking.progress) and engine.is_main and sys.stdout.isatty()
+        return cls(on, cfg.train.max_steps, state.step, cfg.train.max_minutes)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    @contextlib.contextmanager
+    def task(self, total: int, desc: str):
+        """A second, transient line for a long task inside training (in-training BLEU decoding): yields
+        ``advance(n)``; nothing is shown when the training line is not."""
+        if self.bar is None:
+            yield lambda n: None
+            return
+        from tqdm import tqdm
+
+        with tqdm(total=total, desc=desc, unit="line", file=sys.stdout, leave=False, position=1,
+                  mininterval=0.5, dynamic_ncols=True) as sub:
+            yield sub.update
+
+    def report(self, loss: float, tokens_per_s: float, eta_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_s:,.0f} tok/s, eta {fmt_secs(eta_s)}",
+                                     refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self._stack.close()
+
+
 class StepLogger:
     """Accumulates each update's sums and reports every ``log_every`` updates (and at ``max_steps``)."""
 
     def __init__(self, tc, engine, unit: TranslationUnit, state: TrainState, clock: TrainClock, budget: TimeBudget,
-                 tracker, byte_level: bool = False):
+                 tracker, byte_level: bool = False, mfu=None):
         self.tc, self.engine, self.unit, self.state = tc, engine, unit, state
+        self.mfu = mfu  # MfuEstimator or None
+        self.progress = ProgressDisplay(False, tc.max_steps, 0)  # the trainer sets the real one in fit()
         self.byte_level = byte_level  # tokens are bytes: bytes/s = (source + target tokens)/s
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
@@ -47,7 +109,7 @@ class StepLogger:
 
     def start(self) -> None:
         self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = self._src = self._steps = 0
+        self._ntok = self._tok = self._skipped = self._src = self._steps = self._examples = 0
         self._wait = 0.0
         self._t_log = time.time()
         self._steps_at_start = self.state.step
@@ -60,8 +122,10 @@ class StepLogger:
         self._loss += out.loss_sum
         self._nll += out.nll_sum
         self._ntok += out.ntok
+        self._examples += out.examples
         self._tok += out.global_tokens
         self._skipped += int(out.info.skipped)
+        self.progress.step()
         st = self.state
         if st.step % self.tc.log_every == 0 or st.step == self.tc.max_steps:
             self._report(out)
@@ -72,7 +136,9 @@ class StepLogger:
 
     def _report(self, out: StepOutput) -> None:
         eng, st, info = self.engine, self.state, out.info
-        l, nl, nt = eng.all_reduce_sum([self._loss, self._nll, self._ntok])
+        aux_sum, aux_n = self.unit.aux_loss(reset=True)
+        l, nl, nt, ex, aux_sum, aux_n = eng.all_reduce_sum([self._loss, self._nll, self._ntok, self._examples,
+                                                            aux_sum, aux_n])
         elapsed = max(time.time() - self._t_log, 1e-9)
         tps = self._tok / elapsed
         metrics = {
@@ -86,20 +152,29 @@ class StepLogger:
         }
         if self.byte_level:
             metrics["train/bytes_per_s"] = metrics["train/src_tgt_tokens_per_s"]
+        if self.mfu is not None and ex > 0:  # mean sentence-pair lengths of the interval, all ranks
+            metrics.update(self.mfu.metrics(tps, self._src / ex, self._tok / ex))
+        scale = eng.loss_scale() if eng.is_main else None
+        if scale is not None:
+            metrics["train/loss_scale"] = scale
+        if aux_n:
+            metrics["train/moe_aux_loss"] = aux_sum / aux_n
         self.loss_history.append((st.step, metrics["train/loss"]))
         if eng.is_main:
             skipped = (f" | skipped {self._skipped} (fp16 overflow; {st.skipped_steps} in all)"
                        if self._skipped else "")
-            log.info("step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s | eta %s%s",
-                     st.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps,
+            mfu = f" | mfu {100 * metrics['train/mfu']:.1f}%" if "train/mfu" in metrics else ""
+            log.info("step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s%s | eta %s%s",
+                     st.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps, mfu,
                      fmt_secs(self._eta()), skipped)
+            self.progress.report(metrics["train/loss"], tps, self._eta())
             self.tracker.log_metrics(metrics, step=st.step)
         routing = self.unit.routing()  # MoCE: expert shares, mean radius
         self.last_routing = routing
         if eng.is_main and routing:
             self.tracker.log_metrics(routing, step=st.step)
         self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = self._src = self._steps = 0
+        self._ntok = self._tok = self._skipped = self._src = self._steps = self._examples = 0
         self._wait = 0.0
         self._t_log = time.time()
 
@@ -125,6 +200,7 @@ class Evaluator:
                  build_model: Callable):
         self.cfg, self.engine, self.unit, self.vocab, self.state = cfg, engine, unit, vocab, state
         self.tracker, self.build_model = tracker, build_model
+        self.progress: ProgressDisplay | None = None  # the trainer's display, for in-training BLEU's own line
         tc = cfg.train
         self.bleu = None
         if tc.bleu_every:
@@ -144,7 +220,8 @@ class Evaluator:
     def validation_loss(self) -> float:
         d, eng = self.cfg.data, self.engine
         stream = ShardStream(d.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
-                             max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab)
+                             max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab,
+                             on_corrupt=d.on_corrupt, fetch=fetch_options(d))
         v = validation_loss(eng, self.unit, stream, self.cfg.train.valid_max_batches)
         self.state.valid_history.append((self.state.step, v))
         if eng.is_main:
@@ -155,7 +232,10 @@ class Evaluator:
     def bleu_scores(self) -> dict[str, float]:
         eng = self.engine
         model = eng.inference_module(self.build_model)  # collective where parameters are partitioned
-        res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size)  # collective (all_gather_object)
+        shown = self.progress or ProgressDisplay(False, 0, 0)
+        with shown.task(len(self.bleu.share(eng.rank, eng.world_size)), "valid BLEU (rank 0's lines)") as advance:
+            res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size,  # collective (all_gather_object)
+                                progress=advance)
         del model
         self.unit.routing(reset=True)
         eng.train(True)

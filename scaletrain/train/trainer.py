@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ import torch
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.shards import load_manifest
-from scaletrain.data.stream import ShardLoader
+from scaletrain.data.sources import fetch_options, open_source
+from scaletrain.data.stream import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
-from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
+from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
+from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.unit import StopVote, TranslationUnit, train_step
@@ -63,7 +66,7 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
-        self.manifest = load_manifest(cfg.data.shards)
+        self.manifest = load_manifest(open_source(cfg.data.shards, fetch_options(cfg.data)))
         self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
                                 vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
@@ -71,9 +74,10 @@ class Trainer:
         self.param_counts = count_parameters(model, cfg.moe.ep_size)  # the whole model, every expert
         eng.setup(model)
         self.stream = stream if stream is not None else ShardLoader(
-            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=cfg.data.num_workers,
+            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=self._num_workers(),
             seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
             buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
+            on_corrupt=cfg.data.on_corrupt, fetch=fetch_options(cfg.data),
         )
         self.out_dir = cfg.out_dir
         tc = cfg.train
@@ -85,12 +89,24 @@ class Trainer:
         self.tracker = self._make_tracker()
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
-                                 byte_level=cfg.data.tokenizer == "byte")
+                                 byte_level=cfg.data.tokenizer == "byte",
+                                 mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng))
         self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
                                    lambda: self.build_model(expert_parallel=False))
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.preempted = False
+        self.system_metrics = None  # NodeSystemMetrics on each node's local rank 0 (fit)
+
+    def _num_workers(self) -> int:
+        nw = self.cfg.data.num_workers
+        if nw != "auto":
+            return int(nw)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        n, why = auto_num_workers(self.engine.device.type, self.cfg.data.shards, local, os.cpu_count() or 1)
+        if self.engine.is_main:
+            log.info("data.num_workers auto -> %d: %s", n, why)
+        return n
 
     def build_model(self, expert_parallel: bool = True) -> torch.nn.Module:
         """The model; ``expert_parallel=False``: every expert in this process (decoding copies)."""
@@ -115,6 +131,8 @@ class Trainer:
         eng.train(True)
         self.clock.start()
         self.logger.start()
+        self.logger.progress = ProgressDisplay.for_run(self.cfg, eng, st)  # closed by _finish / close
+        self.evaluator.progress = self.logger.progress
         while st.step < self.cfg.train.max_steps:
             t_wait = time.perf_counter()
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
@@ -132,6 +150,7 @@ class Trainer:
             self.logger.after_step(out, data_wait)
             decision = self.stopper.update(self.evaluator.after_step())
             saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save)
+            self._record_checkpoint(saved)
             self.stopper.keep(saved, decision)
             if decision.stop:
                 break
@@ -139,6 +158,11 @@ class Trainer:
 
     def _finish(self, baseline: float) -> TrainResult:
         st = self.state
+        self.logger.progress.close()
+        skipped = getattr(self.stream, "skipped_blocks", 0)
+        if skipped:
+            log.warning("rank %d skipped %d corrupt shard block(s) (data.on_corrupt=skip; see the warnings above)",
+                        self.engine.rank, skipped)
         if self.preempted:  # no validation: the grace period is for the checkpoint
             self.preemption.cancel_grace()
             if self.engine.is_main:
@@ -147,9 +171,11 @@ class Trainer:
         elif not st.valid_history or st.valid_history[-1][0] != st.step:
             self.evaluator.validation_loss()
         final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
+        self._record_checkpoint(final)
         if self.preempted and self.engine.is_main:  # launch.sh reads it: the launchers exit 1 on a signal
             (Path(self.out_dir) / PREEMPTED_FILE).write_text(json.dumps(
                 {"step": st.step, "checkpoint": str(final), "signal": self.preemption.signal_name}))
+        self._stop_system_metrics(1.0 if self.preempted else None)  # training is over; close() stops it too
         if self.engine.is_main:
             self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
             self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
@@ -161,25 +187,34 @@ class Trainer:
         )
 
     def _plot(self) -> None:
-        """Learning curves of the whole job (from the tracking journal) as a PNG in ``out_dir/plots`` and
-        an artifact; a plotting failure is a warning, never a failed training."""
+        """Learning curves of the whole job and (MoCE) expert usage per language, from the tracking
+        journal, as PNGs (+ JSON of the numbers) in ``out_dir/plots`` and artifacts; a plotting failure
+        is a warning, never a failed training."""
         if not self.cfg.tracking.enabled:
             return
-        try:
-            from scaletrain.plots import plot_learning_curves
+        from scaletrain.plots import plot_expert_usage, plot_learning_curves
 
-            png = plot_learning_curves(self.out_dir, title=f"{self.cfg.name} ({self.state.run_id or 'no run'})")
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not plot the learning curves: %s", e)
-            return
-        if png is not None:
-            self.tracker.log_artifact(png, "plots")
+        title = f"{self.cfg.name} ({self.state.run_id or 'no run'})"
+        for what, fn in (("learning curves", plot_learning_curves), ("expert usage", plot_expert_usage)):
+            try:
+                png = fn(self.out_dir, title=title)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not plot the %s: %s", what, e)
+                continue
+            for f in (png, png.with_suffix(".json")) if png is not None else ():
+                if f.is_file():
+                    self.tracker.log_artifact(f, "plots")
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
         return dict(trainer_state=trainer_state, rank_state={"stream": self.stream.state_dict()},
                     config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+
+    def _record_checkpoint(self, saved: Path | None) -> None:
+        """The run's checkpoints.json artifact (rank 0; a local write, the upload is in the background)."""
+        if saved is not None and self.engine.is_main and self.cfg.tracking.enabled:
+            self.tracker.log_checkpoint(saved, self.state.step)
 
     def save(self) -> Path:
         return self.ckpt.maybe_save(self.state.step, self._checkpoint_contents, force=True)
@@ -221,6 +256,27 @@ class Trainer:
                 self.tracker.log_text(dump_yaml(cfg), "config.yaml")
                 self._log_setup_artifacts()
         self.state.run_id = broadcast_run_id(run_id, eng.is_main)
+        self._start_system_metrics()
+
+    def _start_system_metrics(self) -> None:
+        """One system-metrics sampler per node (its local rank 0), on the run rank 0 created, in rank 0's
+        store (collective: the store's URI is broadcast)."""
+        t, eng = self.cfg.tracking, self.engine
+        if not (t.enabled and t.system_metrics):
+            return
+        uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
+        if eng.local_rank != 0 or not self.state.run_id:
+            return
+        from scaletrain.system_metrics import NodeSystemMetrics
+        from scaletrain.tracking import node_layout
+
+        node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
+        try:
+            self.system_metrics = NodeSystemMetrics(
+                uri, self.state.run_id, node, interval=t.system_metrics_interval, step=lambda: self.state.step,
+                journal_dir=Path(self.out_dir) / "tracking" / "system" / node).start()
+        except Exception as e:  # noqa: BLE001 - e.g. psutil missing: training goes on without them
+            log.warning("system metrics on %s not started: %s", node, e)
 
     def _log_setup_artifacts(self) -> None:
         """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
@@ -240,7 +296,8 @@ class Trainer:
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
-        base_nll = unigram_nll(cfg.data.shards, vocab=self.vocab) if eng.is_main else 0.0
+        shards = open_source(cfg.data.shards, fetch_options(cfg.data))  # a directory, URL or pipe: command
+        base_nll = unigram_nll(shards, vocab=self.vocab, on_corrupt=cfg.data.on_corrupt) if eng.is_main else 0.0
         base_nll = eng.broadcast_object(base_nll)
         if eng.is_main:
             n_params = self.param_counts.get("total", 0)
@@ -249,8 +306,17 @@ class Trainer:
             self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.state.step)
         return base_nll
 
+    def _stop_system_metrics(self, timeout: float | None = None) -> None:
+        """Last sample; waits at most ``timeout`` s (default min(10, end_timeout)) for the server (the samples
+        are journaled for ``tracking sync`` either way)."""
+        if self.system_metrics is not None:
+            self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout) if timeout is None else timeout)
+            self.system_metrics = None
+
     def close(self, status: str = "FINISHED") -> None:
+        self.logger.progress.close()
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
+            self._stop_system_metrics()
             self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
         finally:
             self.preemption.uninstall()
@@ -269,20 +335,22 @@ def _git_commit(where: Path) -> str | None:
 def run_tags(cfg: Config, engine: Engine, manifest) -> dict[str, str]:
     """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions)."""
     import importlib.metadata as md
-    import os
 
     import scaletrain
     from scaletrain.fileio import sha256_bytes
+    from scaletrain.tracking import node_layout
 
     m, e = cfg.model, cfg.engine
     world = engine.world_size
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     tags: dict[str, object] = {
         "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
         "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
         "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
-        "nodes": max(1, world // max(local, 1)), "tokenizer": cfg.data.tokenizer,
+        "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
     }
+    if cfg.moe.enabled():
+        tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.ep_size": cfg.moe.ep_size,
+                     "moe.every": cfg.moe.every, "moe.capacity_factor": cfg.moe.capacity_factor})
     if m.arch == "moce":
         tags["moce.delta"] = len(m.conv.kernels) - 1  # experts = kernels {0, 1, 3, ..., 2Δ-1}, E = Δ + 1
         tags["moce.lid"] = m.moce.lid

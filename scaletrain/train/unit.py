@@ -13,11 +13,14 @@ import torch
 from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.models.routing_stats import routing_metrics
+from scaletrain.train.moe_usage import MoeLanguageUsage
 
 
 class TranslationUnit:
     def __init__(self, engine: Engine, label_smoothing: float, pad: int, langs: list[str]):
         self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
+        self._aux_sum, self._aux_n = None, 0  # MoE auxiliary loss of the training batches (on the device)
+        self.moe_usage = MoeLanguageUsage.for_model(engine.module, len(langs)) if langs else None
 
     def loss(self, batch):
         """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
@@ -25,18 +28,35 @@ class TranslationUnit:
         A model with auxiliary losses (MoE load balancing: ``last_aux_loss``, a per-batch mean with its
         coefficient applied) adds aux * target tokens to the loss sum, so that after ``train_step``'s
         normalisation it enters as the token-weighted mean over the step's batches (all ranks)."""
+        if self.moe_usage is not None:
+            self.moe_usage.set_batch(batch.src_lang)  # MoE expert usage per source language
         logits = self.engine.forward(batch.src, batch.tgt_in)
         loss_sum, nll_sum, ntok = label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing,
                                                     ignore_index=self.pad)
         aux = getattr(self.engine.module, "last_aux_loss", None)
         if aux is not None:
             loss_sum = loss_sum + aux.to(loss_sum.dtype) * ntok
+            if torch.is_grad_enabled():  # training batches only, summed on the device (no host sync)
+                a = aux.detach().double()
+                self._aux_sum = a if self._aux_sum is None else self._aux_sum + a
+                self._aux_n += 1
         return loss_sum, nll_sum, ntok
+
+    def aux_loss(self, reset: bool = True) -> tuple[float, int]:
+        """(sum, number of batches) of the MoE auxiliary loss (coefficient applied) over this rank's
+        training batches since the last reset; (0.0, 0) for models without one. One host sync."""
+        out = (float(self._aux_sum) if self._aux_sum is not None else 0.0, self._aux_n)
+        if reset:
+            self._aux_sum, self._aux_n = None, 0
+        return out
 
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
         # MoE counts are summed over the ranks (collective: every rank calls this at the same points)
-        return routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
+        out = routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
+        if self.moe_usage is not None:
+            out.update(self.moe_usage.metrics(self.langs, self.engine.all_reduce_sum, reset=reset))
+        return out
 
 
 @dataclass

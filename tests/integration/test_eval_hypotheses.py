@@ -59,3 +59,19 @@ def test_evaluate_writes_hypothesis_files_that_reproduce_the_scores(django_shard
     logged = {a.path for a in c.list_artifacts(res.run_id, "eval/test")}
     assert f"eval/test/hyp.{report['directions'][0]['src_lang']}-{report['directions'][0]['tgt_lang']}.txt" in logged
     assert "eval_test.json" in {a.path for a in c.list_artifacts(res.run_id)}
+    # the per-group BLEU/chrF bars: a PNG, and beside it the numbers drawn, which are the logged ones
+    from PIL import Image
+
+    png = run / "plots" / "eval_test_scores.png"
+    with Image.open(png) as im:
+        im.verify()
+    drawn = json.loads(png.with_suffix(".json").read_text())
+    logged = c.get_run(res.run_id).data.metrics
+    groups = [a["name"] for a in json.loads((tmp_path / "eval.json").read_text())["model"]["averages"]]
+    assert drawn["groups"] == groups and "all" in groups and len(groups) > 1
+    for g, bleu, chrf in zip(groups, drawn["bleu"], drawn["chrf"]):
+        key = g.replace("->", "2").replace(" ", "_")
+        assert (bleu, chrf) == (logged[f"test/bleu/{key}"], logged[f"test/chrf/{key}"]), g
+    assert drawn["copy_baseline"]["bleu"][groups.index("all")] == logged["test/copy_baseline/bleu"]
+    assert {"plots/eval_test_scores.png", "plots/eval_test_scores.json"} <= {
+        a.path for a in c.list_artifacts(res.run_id, "plots")}

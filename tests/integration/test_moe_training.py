@@ -47,7 +47,9 @@ def test_moe_model_trains_saves_loads(engine, django_shards, tmp_path, isolated_
     assert math.isfinite(last) and last < first, res.train_loss
     assert model.last_aux_loss is not None and model.last_aux_loss.item() > 0
     metrics = trainer.logger.last_routing
-    assert set(metrics) == {f"moe/{side}.1/{m}" for side in ("encoder", "decoder") for m in ("dropped", "max_load")}
+    assert {k for k in metrics if k.startswith("moe/")} == {
+        f"moe/{side}.1/{m}" for side in ("encoder", "decoder") for m in ("dropped", "max_load")}
+    assert {k for k in metrics if not k.startswith("moe/")} >= {f"moe_usage/encoder.1/all/share_e{e}" for e in range(4)}
     assert all(1.0 <= metrics[f"moe/{s}.1/max_load"] <= 4.0 for s in ("encoder", "decoder"))
     if "capacity_factor=1.0" not in " ".join(ENGINES[engine]):
         assert metrics["moe/encoder.1/dropped"] == 0.0

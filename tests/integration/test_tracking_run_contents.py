@@ -72,6 +72,8 @@ def test_training_run_has_tags_artifacts_and_system_metrics(django_shards, tmp_p
         assert key in m and m[key] >= 0, key
     assert m["train/bytes_per_s"] > m["train/tokens_per_s"] > 0  # source + target bytes vs target tokens
     assert m["sys/max_rss_mb"] > 50
+    assert 0 <= m["system/node0/cpu_utilization_percentage"] <= 100 and tags["node0.host"]  # this node's sampler
+    assert m["system/node0/system_memory_usage_megabytes"] > 0
     assert [x.step for x in c.get_metric_history(res.run_id, "train/data_wait_s")] == [2, 4]
 
 

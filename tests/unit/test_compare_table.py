@@ -11,12 +11,13 @@ from scaletrain.compare import RunData, compare, plot_comparison
 
 def _run(rid, arch, loss, bleu=None):
     metrics = {"train/loss": loss[-1], "valid/nll": 3.0, "train/steps": 4.0, "train/seconds": 12.5,
-               "train/tokens_per_s": 100.0}
+               "train/tokens_per_s": 100.0, "train/mfu": 0.25}
     if bleu is not None:
         metrics.update({"test/bleu/all": bleu, "test/bleu/xx2en": bleu + 1, "test/chrf/all": 2 * bleu})
     return RunData(rid, f"r-{arch}", "FINISHED", {"model.arch": arch, "optim.lr": "0.001", "train.out_dir": rid},
                    {}, metrics, {"train/loss": list(enumerate(loss)), "valid/nll": [(0, 4.0), (4, 3.0)],
-                                 "train/tokens_per_s": [(2, 90.0), (4, 110.0)]})
+                                 "train/tokens_per_s": [(2, 90.0), (4, 110.0)],
+                                 "train/mfu": [(2, 0.2), (4, 0.3)]})
 
 
 def test_rows_and_formats(tmp_path):
@@ -28,6 +29,7 @@ def test_rows_and_formats(tmp_path):
     assert rows["train/loss final"] == [4.5, 5.0] and rows["train/loss best"] == [4.0, 5.0]  # min for a loss
     assert rows["test/bleu/xx2en"] == [11.0, None] and rows["test/chrf/all"] == [20.0, None]
     assert rows["tokens/s (mean)"] == [100.0, 100.0] and rows["wall time (s)"] == [12.5, 12.5]
+    assert rows["MFU (mean)"] == [0.25, 0.25]
     table = cmp.format("table")
     assert "r-transformer (aaaaaaaa)" in table.splitlines()[0] and "test/bleu/xx2en" in table
     data = json.loads(cmp.format("json"))

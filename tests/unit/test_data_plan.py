@@ -105,7 +105,7 @@ def test_block_table_sequence_and_manifest_arrays(tmp_path):
     out = write_small(tmp_path)
     d = json.loads((out / "manifest.json").read_text())
     sh0 = d["splits"]["train"]["shards"][0]
-    assert d["format_version"] == 2 and {"offset", "size", "n"} <= set(sh0["blocks"])
+    assert d["format_version"] == 3 and {"offset", "size", "n", "crc32"} <= set(sh0["blocks"])
     assert np.frombuffer(base64.b64decode(sh0["blocks"]["n"]), "<u4").tolist() == [4, 4, 2]
     m = load_manifest(out)
     t = m.splits["train"].shards[0].blocks

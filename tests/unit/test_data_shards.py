@@ -254,7 +254,8 @@ def test_prepare_gettext_django(tmp_path):
     assert not (out / "train-000000.tar").read_bytes() == (tmp_path / "again" / "train-000000.tar").read_bytes()
 
 
-TORCH_FREE = ("scaletrain.fileio", "scaletrain.data.example", "scaletrain.data.shards", "scaletrain.data.spm_models",
+TORCH_FREE = ("scaletrain.fileio", "scaletrain.data.example", "scaletrain.data.sources", "scaletrain.data.shards",
+              "scaletrain.data.spm_models",
               "scaletrain.vocab", "scaletrain.data.spm_train", "scaletrain.data.prepare")
 
 

@@ -299,3 +299,14 @@ def test_loader_chunks_follow_the_window_grid_and_resume_mid_chunk(data):
         assert len(head) + len(rest) == len(want) and all(same(a, b) for a, b in zip(head + rest, want)), k
     with pytest.raises(ScaletrainError, match="chunk=3"):
         ShardLoader(d, num_workers=2, chunk=4, **kw).load_state_dict(ld.state_dict())
+
+
+def test_auto_num_workers_rule():
+    from scaletrain.data.stream import auto_num_workers
+
+    assert auto_num_workers("cpu", "shards/django", 2, 2)[0] == 0  # every core trains
+    assert auto_num_workers("cpu", "shards/django", 1, 64)[0] == 0
+    assert auto_num_workers("cuda", "shards/django", 8, 128)[0] == 2  # spare host cores next to a GPU
+    assert auto_num_workers("cuda", "shards/django", 8, 16)[0] == 0  # 2 cores per rank: none to spare
+    assert auto_num_workers("cpu", "http://127.0.0.1:1/shards", 2, 2)[0] == 2  # network waits, not cores
+    assert auto_num_workers("cpu", "pipe:cat /x/{name}", 2, 2)[0] == 2

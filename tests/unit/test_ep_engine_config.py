@@ -52,3 +52,10 @@ def test_moe_recipes_sizes_as_their_comments_say(recipe, total):
     assert s["experts"] == 6 * 8 * expert and s["total"] == total
     dense = model_summary(load_config("base" if recipe == "moe_base" else "moce_d5").model, 360)["total"]
     assert total == dense - 6 * expert + 6 * 8 * expert + 6 * 512 * 8  # 6 FFNs -> 6 x 8 experts + routers
+
+
+def test_training_refuses_moce_partition_in_one_line():
+    with pytest.raises(ScaletrainError) as e:
+        load_config("moce_d5", ["moe.ep_size=2", "moe.moce_partition=true"])
+    assert "moe.moce_partition" in str(e.value) and "\n" not in str(e.value)
+    assert load_config("moce_d5_moe", ["moe.ep_size=2"]).moe.ep_size == 2  # FFN experts split, MoCE replicated

@@ -110,3 +110,27 @@ def test_beam_reorder_fast_path_equals_model_reorder():
             for n in a:
                 torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
         cache = fast
+
+
+def test_kv_cache_grows_in_place_and_reorder_keeps_the_room():
+    """The self-attention cache is written into a buffer with spare room (no copy of the whole cache per
+    step); beam reordering keeps that room; the values are those of concatenation."""
+    from scaletrain.models.transformer import kv_append, kv_index_select
+
+    torch.manual_seed(0)
+    steps = [torch.randn(3, 2, 1, 4) for _ in range(40)]
+    k, ptrs = None, []
+    for i, new in enumerate(steps):
+        k = kv_append(k, new)
+        ptrs.append(k.data_ptr())
+        torch.testing.assert_close(k, torch.cat(steps[:i + 1], dim=2), rtol=0, atol=0)
+    assert len(set(ptrs)) == 2  # one buffer of 32 positions, then one of 66: two allocations in 40 steps
+    idx = torch.tensor([2, 2, 0])
+    r = kv_index_select(k, idx)
+    torch.testing.assert_close(r, torch.cat(steps, dim=2).index_select(0, idx), rtol=0, atol=0)
+    before = r.data_ptr()
+    r2 = kv_append(r, steps[0])  # room kept: no reallocation
+    assert r2.data_ptr() == before and r2.shape == (3, 2, 41, 4)
+    plain = torch.randn(3, 2, 5, 4)  # a tensor that is not our buffer is never written past its end
+    grown = kv_append(plain, steps[0])
+    assert grown.data_ptr() != plain.data_ptr() and torch.equal(grown[:, :, :5], plain)

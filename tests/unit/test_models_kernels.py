@@ -75,11 +75,16 @@ def test_auto_picks_bmm_only_for_cpu_training_in_reduced_precision(monkeypatch):
     assert calls == []  # bf16 with gradients: bmm
     with torch.no_grad():
         kernels.attention(q, k, v)
-    assert calls == [1]  # decoding: SDPA's fast forward
+    assert calls == [1]  # no gradients, many queries (encoder at inference): SDPA's fast forward
     kernels.attention(*(t.float() for t in (q, k, v)))
     assert calls == [1, 1]  # fp32: SDPA
     kernels.attention(q, k, v, mode="torch")
     assert calls == [1, 1, 1]
+    with torch.no_grad():  # one query per row (incremental decoding): bmm, in any precision
+        out = kernels.attention(q[:, :, :1].float(), k.float(), v.float())
+        assert calls == [1, 1, 1]
+        ref = real(q[:, :, :1].float(), k.float(), v.float())
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_keep_mask_rate_lanes_and_independence():

@@ -44,3 +44,20 @@ def test_cli_prints_a_row_per_gpu_count(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.strip().split(" ")[0] in ("8", "64")]
     assert len(rows) == 2 and "ZeRO-3 MB/rank" in out
+
+
+def test_expert_parallel_volumes_and_break_even():
+    shape = S.MoEShape(d_model=512, expert_ffn=2048, experts=8, top_k=2, layers=1)
+    assert S.ep_a2a_bytes(1, 1000, shape) == 0.0
+    # 4 transfers (dispatch, combine, and both in backward) of D bf16 values per pair leaving the rank
+    assert S.ep_a2a_bytes(4, 1000, shape) == pytest.approx(4 * 1000 * 2 * 512 * 2 * 3 / 4)
+    params = 8 * 2 * 512 * 2048
+    assert S.replicated_expert_allreduce_bytes(4, shape) == pytest.approx(2 * 3 / 4 * params * 2)
+    t = S.ep_break_even_tokens(shape)
+    assert t == 8 * 2048 / 2
+    p = 64  # at the break-even batch both move the same bytes for the same P
+    assert S.ep_a2a_bytes(p, int(t), shape) == pytest.approx(S.replicated_expert_allreduce_bytes(p, shape))
+    assert S.ep_a2a_bytes(p, int(t) // 2, shape) < S.replicated_expert_allreduce_bytes(p, shape)
+    # MoCE: identities send nothing; a k-expert slot sends (k + 1) Dh values, twice (forward, backward)
+    assert S.moce_a2a_bytes(2, 10, [0, 3], 4, bytes_per=1) == pytest.approx(2 * 10 * (4 * 4 / 2) * 1 / 2)
+    assert S.moce_local_flops(10, [0, 3], 4) == pytest.approx(3 * 10 * (2 * 3 * 16 / 2))
