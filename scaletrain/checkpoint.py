@@ -337,21 +337,25 @@ def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     checked against the checkpoint's ``index.json`` first.
     """
     ckpt = Path(ckpt)
-    verify_checkpoint(ckpt, only=lambda name: name.endswith(".safetensors") or name.startswith(("mp_rank_", "zero_pp_")))
+    verify_checkpoint(ckpt, only=lambda name: name.endswith(".safetensors")
+                      or name.startswith(("mp_rank_", "zero_pp_", "expert_shard_")))
+    from scaletrain.parallel.state import merge_expert_shards  # moe.ep_size > 1: every rank's experts
+
     st = ckpt / "model.safetensors"
     if st.is_file():
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(st))
+            sd = load_file(str(st))
         except Exception as e:  # safetensors holds no code; a bad header or a short file lands here
             raise ScaletrainError(f"{st}: unreadable safetensors file, truncated or corrupt ({e}); "
                                   "use an earlier checkpoint") from None
+        return merge_expert_shards(ckpt, sd)
     from scaletrain.engine.deepspeed_driver import consolidated_weights
 
     sd = consolidated_weights(ckpt)
     if sd is not None:
-        return sd
+        return merge_expert_shards(ckpt, sd)
     raise ScaletrainError(
         f"{ckpt}: no model weights found (model.safetensors, mp_rank_00_model_states.pt or ZeRO shards "
         "zero_pp_rank_*); is this a checkpoint directory (OUT/checkpoints/step-N)?"
@@ -444,7 +448,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu"):
                                   f"{info['sha256'][:12]}...")
     else:
         vocab = ByteVocab(langs)
-    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces())
+    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces(), moe=cfg.moe)  # every expert, one process
     sd = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("_float_tensor")]

@@ -9,6 +9,12 @@ the boundary, loss divided by the accumulation steps); the LR scheduler advances
 With the DeepSpeed plugin, Accelerate builds the DeepSpeed engine from our resolved ds_config and
 the micro-steps are driven by the same :class:`DeepSpeedDriver` as :class:`DeepSpeedEngine`, so both
 paths share checkpoints.
+
+Expert parallelism (moe.ep_size > 1), DDP: the expert parameters are given to DDP as parameters to
+ignore (``_ddp_params_and_buffers_to_ignore``: no all-reduce, no start-up broadcast of rank 0's
+experts); at the update their gradients are summed over the expert-data-parallel group / W and the
+clip norm counts each expert once (``scaletrain.parallel.grads``). The DeepSpeed plugin: as the
+DeepSpeed engine (ZeRO-0/1/2, fp32; ``deepspeed_driver``).
 """
 from __future__ import annotations
 
@@ -20,12 +26,14 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import Engine, StepInfo
-from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
 from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel.grads import ExpertParallelGrads
+from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
 from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -97,12 +105,21 @@ class AccelerateEngine(Engine):
     # ------------------------------------------------------------------------------
     def setup(self, model):
         model = prepare_model(model, self.cfg)
-        optimizer = build_optimizer(model, self.cfg)
-        scheduler = build_scheduler(optimizer, self.cfg)
-        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        self.ep = ExpertParallelGrads(model)
+        experts = self.ep.snapshot() if self.ep.active else None
+        if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
+            model._ddp_params_and_buffers_to_ignore = list(self.ep.expert_names)
+        stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+        with native_moe(model, self.ep, stage if self.mode == "deepspeed" else 0):
+            optimizer = build_optimizer(model, self.cfg)
+            scheduler = build_scheduler(optimizer, self.cfg)
+            self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         if self.mode == "deepspeed":
+            if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
+                self.ep.restore(experts)
             # Accelerate hands DeepSpeed only its own scheduler types: ours is stepped by the driver
-            self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, scheduler=self.scheduler)
+            self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, scheduler=self.scheduler,
+                                       clip_norm=float(self.cfg.optim.clip_norm))
             self.device = self._ds.device
 
     @property
@@ -148,7 +165,11 @@ class AccelerateEngine(Engine):
                 f"step() before the accumulation boundary: call forward/backward engine.grad_accum="
                 f"{self.cfg.engine.grad_accum} times per step"
             )
-        if clip > 0:
+        if self.ep.active:
+            self.acc.unscale_gradients()  # fp16: the reduction and the norm see true gradients
+            self.ep.reduce(dense=False)  # DDP averaged the dense gradients
+            norm = self.ep.clip(clip)
+        elif clip > 0:
             norm = float(self.acc.clip_grad_norm_(self.model.parameters(), clip))
         else:
             self.acc.unscale_gradients()
@@ -174,10 +195,18 @@ class AccelerateEngine(Engine):
         return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
     def partitioned(self) -> bool:
-        return self._ds is not None and self._ds.partitioned()
+        if self._ds is not None:
+            return self._ds.partitioned()
+        return self.ep.active  # expert parallelism: this rank holds only its experts
 
     def full_state_dict(self):
-        return self._ds.full_state_dict() if self._ds is not None else super().full_state_dict()
+        if self._ds is not None:
+            return self._ds.full_state_dict()
+        if self.ep.active:  # every expert of every layer, gathered over the EP group
+            from scaletrain.parallel.state import consolidate_state_dict
+
+            return {k: v.float().cpu().clone() for k, v in consolidate_state_dict(self.module, self.ep.ctx).items()}
+        return super().full_state_dict()
 
     # ------------------------------------------------------------------------------
     def save(self, ckpt_dir: Path, tag: str) -> None:
@@ -186,8 +215,9 @@ class AccelerateEngine(Engine):
             if self.is_main:  # the LR schedule is ours, not DeepSpeed's (see step())
                 torch.save(self.scheduler.state_dict(), Path(ckpt_dir) / tag / "scheduler.pt")
             return
-        # model.safetensors (rank 0), optimizer.bin, scheduler.bin, per-rank RNG
+        # model.safetensors (rank 0), optimizer.bin, scheduler.bin, per-rank RNG; experts: one shard per EP rank
         self.acc.save_state(str(Path(ckpt_dir) / tag), safe_serialization=True)
+        save_expert_shard(Path(ckpt_dir) / tag, self.module, self.optimizer.optimizer, self.ep.ctx)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         if self._ds is not None:
@@ -209,5 +239,6 @@ class AccelerateEngine(Engine):
         # (our RNG states come from rank*.pt anyway), so that file is checked here first.
         for rng_file in sorted(d.glob("random_states_*.pkl")):
             safe_torch_load(rng_file)
-        with weights_only_loads():
+        # experts: this rank's from its shard file, resharded when the checkpoint's ep_size differs
+        with expert_checkpoint_load(d, self.module, self.optimizer.optimizer, self.ep.ctx), weights_only_loads():
             self.acc.load_state(str(d))

@@ -98,9 +98,11 @@ class Engine(ABC):
 
         Decoding runs no collective, so ranks may run different numbers of forward passes (their
         shares of lines give outputs of different lengths). That is only safe while every rank holds
-        the full parameters: then this is ``module`` itself. Where parameters are partitioned, every
-        rank gathers the full weights once into a plain copy made by ``build()`` (one model's memory
-        per rank, until the caller drops it). Building the copy does not move the RNG stream.
+        the full parameters: then this is ``module`` itself. Where parameters are partitioned (ZeRO-3,
+        or expert parallelism: a rank holds only its experts), every rank gathers the full weights
+        once into a plain copy made by ``build()``, a single-process model holding every expert (one
+        model's memory per rank, until the caller drops it). Building the copy does not move the RNG
+        stream.
         """
         self.train(False)
         if not self.partitioned():

@@ -8,6 +8,7 @@ norm, ZeRO-3 parameter gathering and checkpoint I/O are written once here. Code 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ import torch
 from scaletrain.engine.base import StepInfo
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel.grads import ExpertParallelGrads
+from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -51,16 +54,79 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
+def _holds_experts(module) -> bool:
+    """A scaletrain MoE feed-forward block (its ``experts`` say which slice of the layer's experts)."""
+    return getattr(getattr(module, "experts", None), "first_expert", None) is not None
+
+
+@contextlib.contextmanager
+def native_moe(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: int):
+    """Around ``deepspeed.initialize`` under expert parallelism with ZeRO-1/2: DeepSpeed's own MoE path.
+
+    DeepSpeed reduces a parameter marked ``allreduce = False`` over the expert-data-parallel group named
+    by its ``group_name`` (sum / world size, as ``scaletrain.parallel.grads``), broadcasts it from that
+    group's first rank, and ZeRO-1/2 partition an optimizer group with ``moe: True`` over that group
+    only. It switches that path on only when the model holds its ``deepspeed.moe.layer.MoE``; for the
+    duration of the call, ``deepspeed.runtime.engine.MoE`` also recognises our MoE blocks. Our EP / EDP
+    groups are registered under DeepSpeed's name for them (``ep_size_P``); the expert parameters are
+    marked (``build_optimizer`` then names their group and sets ``moe``). Build the optimizer inside.
+    """
+    if not ep.active or zero_stage not in (1, 2):
+        yield
+        return
+    import deepspeed.runtime.engine as ds_engine
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep.ctx.ep_size}"
+    groups._EXPERT_PARALLEL_GROUP[name] = ep.ctx.ep_group
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = ep.ctx.edp_group
+    for p in ep.experts:
+        p.allreduce, p.group_name = False, name
+    original = ds_engine.MoE
+
+    class _Meta(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, original) or _holds_experts(obj)
+
+    ds_engine.MoE = _Meta("MoE", (), {})
+    try:
+        yield
+    finally:
+        ds_engine.MoE = original
+
+
 class DeepSpeedDriver:
     """Drives one DeepSpeed engine: micro-steps, update, grad norm, ZeRO-3 gathers, checkpoints.
 
     ``scheduler``: an LR scheduler DeepSpeed does not own (Accelerate hands DeepSpeed only its own
     scheduler types); it is stepped here once per update that was not skipped.
+
+    Expert parallelism (a model built with moe.ep_size > 1; ``ds_config`` says which precisions). ZeRO-0: DeepSpeed
+    would average every gradient over the whole world, expert gradients included; its backward
+    all-reduce is switched off, and at the update the driver averages the dense gradients over the
+    world, sums expert gradients over the expert-data-parallel group / W and clips with the norm that
+    counts each expert once (``scaletrain.parallel.grads``; the JSON's gradient_clipping is 0 then).
+    ZeRO-1/2: DeepSpeed's own MoE path (``native_moe``; no clipping: its norm averages expert norms
+    over the EDP group instead of summing them over the EP group).
     """
 
-    def __init__(self, ds_engine, scheduler=None):
+    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0):
         self.e = ds_engine
         self.scheduler = scheduler
+        self.ep = ExpertParallelGrads(ds_engine.module)
+        self.clip_norm = clip_norm
+        # ZeRO-0: our reduction (DeepSpeed's off); ZeRO-1/2: DeepSpeed's MoE path (``native_moe``)
+        self.own_ep = self.ep.active and ds_engine.zero_optimization_stage() == 0
+        if self.ep.active:
+            if ds_engine.zero_optimization_stage() not in (0, 1, 2) or ds_engine.fp16_enabled() \
+                    or (self.own_ep and ds_engine.bfloat16_enabled()):
+                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 (README, "
+                                      "'Expert parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
+            if not self.own_ep and not getattr(ds_engine, "has_moe_layers", False):
+                raise ScaletrainError("DeepSpeed did not take the expert parameters (build the engine inside "
+                                      "scaletrain.engine.deepspeed_driver.native_moe)")
+        if self.own_ep:
+            ds_engine.enable_backward_allreduce = False
         # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the
         # plain fp32 path it clips but discards the norm, so we measure it ourselves there.
         e = ds_engine
@@ -95,7 +161,11 @@ class DeepSpeedDriver:
 
     def step(self) -> StepInfo:
         before = self._skipped()
-        own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
+        if self.own_ep:
+            self.ep.reduce(dense=True)
+            own = self.ep.clip(self.clip_norm)
+        else:
+            own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
         self.e.step()
         norm = own if own is not None else self.e.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
@@ -119,24 +189,50 @@ class DeepSpeedDriver:
         return float(scale) if scale is not None else None
 
     def partitioned(self) -> bool:
-        return is_partitioned(self.e.module)
+        """ZeRO-3, or expert parallelism (this rank holds only its experts; every forward exchanges)."""
+        return self.ep.active or is_partitioned(self.e.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters on every rank (ZeRO-3 partitions gathered), fp32 on CPU. Collective."""
         import deepspeed
 
         mod = self.e.module
-        if not self.partitioned():
+        if self.ep.active:  # every expert of every layer, gathered over the EP group
+            from scaletrain.parallel.state import consolidate_state_dict
+
+            return {k: v.float().cpu().clone() for k, v in consolidate_state_dict(mod, self.ep.ctx).items()}
+        if not is_partitioned(mod):
             return {k: v.detach().float().cpu().clone() for k, v in mod.state_dict().items()}
         with deepspeed.zero.GatheredParameters(list(mod.parameters()), modifier_rank=None):
             keys = set(mod.state_dict(keep_vars=True))
             named = dict(mod.named_parameters()) | dict(mod.named_buffers())
             return {k: v.detach().float().cpu().clone() for k, v in named.items() if k in keys}
 
+    @contextlib.contextmanager
+    def _plain_checkpoint(self):
+        """DeepSpeed's MoE checkpoint layout expects its own MoE modules: with ours, checkpoints take
+        the plain path (module from rank 0, each rank's ZeRO optimizer partition) plus our expert shards."""
+        moe, self.e.has_moe_layers = getattr(self.e, "has_moe_layers", False), False
+        try:
+            yield
+        finally:
+            self.e.has_moe_layers = moe
+
     def save(self, ckpt_dir: Path, tag: str) -> None:
-        self.e.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+        with self._plain_checkpoint():
+            self.e.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+        save_expert_shard(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
+        # The module's experts come from rank 0's file: this rank's are put back from its expert shard
+        # (ZeRO-1/2 restore each rank's fp32 partitions, its experts' Adam state, from its own file).
+        # Another ep_size: resharded under ZeRO-0 (ZeRO-1/2 keep parameters in flat partitions: refused).
+        with expert_checkpoint_load(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx,
+                                    reshard=self.zero_stage == 0):
+            with self._plain_checkpoint():
+                self._load(ckpt_dir, tag)
+
+    def _load(self, ckpt_dir: Path, tag: str) -> None:
         with weights_only_loads():  # DeepSpeed's own torch.load calls weights_only=False
             path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                              load_lr_scheduler_states=True)

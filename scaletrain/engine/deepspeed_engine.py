@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import Engine, StepInfo
-from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
 from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
+from scaletrain.parallel.grads import ExpertParallelGrads
 
 
 class DeepSpeedEngine(Engine):
@@ -40,13 +41,19 @@ class DeepSpeedEngine(Engine):
 
     def setup(self, model):
         model = prepare_model(model, self.cfg)
-        optimizer = build_optimizer(model, self.cfg)
-        scheduler = build_scheduler(optimizer, self.cfg)
-        engine, _, _, _ = self._ds.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-            dist_init_required=False,
-        )
-        self.driver = DeepSpeedDriver(engine)
+        ep = ExpertParallelGrads(model)
+        experts = ep.snapshot() if ep.active else None
+        stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
+        with native_moe(model, ep, stage):  # ZeRO-1/2 under expert parallelism: DeepSpeed's MoE path
+            optimizer = build_optimizer(model, self.cfg)
+            scheduler = build_scheduler(optimizer, self.cfg)
+            engine, _, _, _ = self._ds.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+                dist_init_required=False,
+            )
+        if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
+            ep.restore(experts)
+        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm))
         self.device = self.driver.device
 
     @property

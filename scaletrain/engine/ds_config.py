@@ -57,6 +57,8 @@ def load_ds_config(cfg, world_size: int) -> dict:
                 f"remove it from the JSON (or set it to \"auto\") and change {ours_key[k].split(' ')[0]} instead"
             )
         ds[k] = v
+    if getattr(cfg.moe, "ep_size", 1) > 1:  # expert parallelism: the driver clips with the EP-aware norm
+        ds["gradient_clipping"] = 0.0
     prec = cfg.engine.precision
     for section, want in (("bf16", prec == "bf16"), ("fp16", prec == "fp16")):
         sec = ds.get(section)
@@ -75,6 +77,7 @@ def load_ds_config(cfg, world_size: int) -> dict:
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ScaletrainError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    _check_expert_parallel(cfg, path, stage, prec)
     offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
     if str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
         # ZeRO-Offload keeps the fp32 master weights and optimizer states on the CPU and runs the update
@@ -93,3 +96,22 @@ def load_ds_config(cfg, world_size: int) -> dict:
     ds.setdefault("steps_per_print", 10**9)  # our loop prints its own log lines
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+def _check_expert_parallel(cfg, path: Path, stage: int, prec: str) -> None:
+    """One-line errors for moe.ep_size > 1 where this DeepSpeed config cannot train it."""
+    ep = getattr(cfg.moe, "ep_size", 1)
+    if ep > 1 and (stage == 3 or prec == "fp16" or (prec == "bf16" and stage == 0)):
+        # DeepSpeed refuses MoE under ZeRO-3 ("Native DeepSpeed MoE is not supported with ZeRO Stage 3"); its
+        # ZeRO-0 bf16 optimizer keeps its own fp32 gradient buffers, which our ZeRO-0 expert reduction does not
+        # see; fp16 (dynamic loss scaling) is untested with experts here.
+        raise ScaletrainError(
+            f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16 ({path} has stage "
+            f"{stage}, engine.precision is {prec}): use engine.ds_config=zero0.json engine.precision=fp32, or "
+            "engine.backend=accelerate engine.accelerate=ddp (any precision)")
+    if ep > 1 and stage in (1, 2) and float(cfg.optim.clip_norm) > 0:
+        # DeepSpeed's ZeRO-1/2 gradient norm averages each rank's expert norm over the expert-data-parallel
+        # group instead of summing the squares over the expert-parallel group: ranks would clip differently.
+        raise ScaletrainError(
+            f"moe.ep_size={ep} with ZeRO-{stage} ({path}) needs optim.clip_norm=0: DeepSpeed's ZeRO-1/2 norm of "
+            "expert gradients differs between ranks; clip with ZeRO-0 (exact EP-aware norm) or set optim.clip_norm=0")

@@ -316,7 +316,9 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0 = dropless; c > 0: each expert takes at most ceil(c * tokens * top_k / E) pairs per rank
     aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
     shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
-    ep_size: int = 1  # expert-parallel group size: each MoE layer's experts are split over this many ranks
+    # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP;
+    # DeepSpeed ZeRO-0 fp32, ZeRO-1/2)
+    ep_size: int = 1
     # MoCE (arch moce) with ep_size > 1: also spread each Ada-MSHA layer's conv experts over the EP group
     # (scaletrain.models.moce_ep). Off by default: they are small, moving a window costs more than computing
     # it (README, "Expert parallelism"), so they stay replicated like every other dense weight.

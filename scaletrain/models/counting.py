@@ -15,8 +15,10 @@ _GROUPS = {
 }
 
 
-def count_parameters(model: nn.Module) -> dict[str, int]:
-    """Parameters per component, shared tensors counted once (where first met).
+def count_parameters(model: nn.Module, expert_parallel: int = 1) -> dict[str, int]:
+    """Parameters per component, shared tensors counted once (where first met). ``expert_parallel``:
+    the moe.ep_size the model was built with (a rank holds 1/P of each MoE layer's experts); the counts
+    are those of the whole model, every expert included.
 
     Keys: embeddings, frontend, encoder, decoder (always present), any other top-level child by
     name, ``variant`` (parameters whose name contains ``.variant.``: the extra weights a plug-in
@@ -32,11 +34,12 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
         seen.add(id(p))
         top = name.split(".", 1)[0]
         group = _GROUPS.get(top, top if "." in name else "other")
-        out[group] = out.get(group, 0) + p.numel()
+        n = p.numel() * (expert_parallel if getattr(p, "expert", False) else 1)
+        out[group] = out.get(group, 0) + n
         if ".variant." in name:
-            variant += p.numel()
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+            variant += n
+        total += n
+        trainable += n if p.requires_grad else 0
     out["variant"] = variant
     out["total"] = total
     out["trainable"] = trainable

@@ -10,6 +10,6 @@
 - ``grads.py``: expert-gradient reduction over the expert-data-parallel group (scaled by the world
   size, so the update does not depend on ep_size) and the clipping norm that counts each expert once.
 """
-from scaletrain.parallel.context import ParallelContext, build_parallel_context, ep_size_problem
+from scaletrain.parallel.context import ParallelContext, build_parallel_context, ep_size_problem, model_parallel_context
 
-__all__ = ["ParallelContext", "build_parallel_context", "ep_size_problem"]
+__all__ = ["ParallelContext", "build_parallel_context", "ep_size_problem", "model_parallel_context"]

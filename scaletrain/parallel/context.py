@@ -93,3 +93,13 @@ def build_parallel_context(ep_size: int, world_size: Optional[int] = None, rank:
                 edp_group = grp
     return ParallelContext(world_size=world_size, rank=rank, ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group,
                            edp_size=world_size // ep_size, edp_rank=ep_index, edp_group=edp_group)
+
+
+def model_parallel_context(model: Any) -> ParallelContext:
+    """The expert-parallel context a model was built with (the ``parallel`` attribute of its MoE
+    layers); the trivial one for a model without expert layers. Engines read it in ``setup``."""
+    for mod in model.modules():
+        ctx = getattr(mod, "parallel", None)
+        if isinstance(ctx, ParallelContext):
+            return ctx
+    return ParallelContext.single()

@@ -31,20 +31,45 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def reduce_expert_gradients(expert_params: Iterable[torch.Tensor], ctx: ParallelContext) -> None:
-    """Sum expert gradients over the EDP group (the whole world when ep_size == 1) and divide by the
-    world size, in place, in one collective. Call on every rank after backward."""
-    grads = _grads(expert_params)
-    if not grads or ctx.world_size == 1:
+def _all_reduce_div(grads: list[torch.Tensor], group, group_size: int, divisor: int) -> None:
+    """Sum ``grads`` over ``group`` (skipped for a group of one) and divide by ``divisor``, in place,
+    in one flat collective."""
+    if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if ctx.edp_size > 1:
-        dist.all_reduce(flat, group=ctx.edp_group)
-    flat.div_(ctx.world_size)
+    if group_size > 1:
+        dist.all_reduce(flat, group=group)
+    flat.div_(divisor)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def reduce_expert_gradients(expert_params: Iterable[torch.Tensor], ctx: ParallelContext) -> None:
+    """Sum expert gradients over the EDP group (the whole world when ep_size == 1) and divide by the
+    world size, in place, in one collective. Call on every rank after backward."""
+    grads = _grads(expert_params)
+    if ctx.world_size == 1:
+        return
+    edp_group = ctx.edp_group if ctx.ep_size > 1 else None  # None = the default (whole-world) group
+    _all_reduce_div(grads, edp_group, ctx.edp_size, ctx.world_size)
+
+
+def reduce_dense_gradients(dense_params: Iterable[torch.Tensor], ctx: ParallelContext) -> None:
+    """Average the gradients of the replicated (non-expert) parameters over the whole world, in
+    place, in one collective: what DDP / DeepSpeed do for them, for an engine whose own reduction is
+    switched off under expert parallelism (DeepSpeed ZeRO-0)."""
+    grads = _grads(dense_params)
+    if ctx.world_size > 1:
+        _all_reduce_div(grads, None, ctx.world_size, ctx.world_size)
+
+
+def split_expert_params(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(dense, expert) trainable parameters of ``model`` (experts: marked ``p.expert = True``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return ([p for p in params if not getattr(p, "expert", False)],
+            [p for p in params if getattr(p, "expert", False)])
 
 
 def grad_norm(dense_params: Iterable[torch.Tensor], expert_params: Iterable[torch.Tensor],
@@ -74,3 +99,40 @@ def clip_grad_norm(dense_params: list[torch.Tensor], expert_params: list[torch.T
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
+
+
+class ExpertParallelGrads:
+    """What an engine does with gradients under expert parallelism, for a model built with a
+    ``ParallelContext`` of ep_size > 1 (``active``): the engine's own all-reduce must skip the expert
+    parameters (DDP: ignored parameters; DeepSpeed ZeRO-0: its backward all-reduce switched off), and
+    at the accumulation boundary ``reduce`` sums expert gradients over the EDP group / W (and, where
+    the engine reduces nothing itself, averages the dense ones over the world); ``clip`` clips with
+    the norm that counts each expert once. ``snapshot`` / ``restore`` keep this rank's experts through
+    an engine's start-up broadcast of rank 0's parameters."""
+
+    def __init__(self, model: torch.nn.Module):
+        from scaletrain.parallel.context import model_parallel_context
+
+        self.ctx = model_parallel_context(model)
+        self.dense, self.experts = split_expert_params(model)
+        self.expert_names = [n for n, p in model.named_parameters() if getattr(p, "expert", False)]
+
+    @property
+    def active(self) -> bool:
+        return self.ctx.ep_size > 1
+
+    def reduce(self, dense: bool) -> None:
+        if dense:
+            reduce_dense_gradients(self.dense, self.ctx)
+        reduce_expert_gradients(self.experts, self.ctx)
+
+    def clip(self, max_norm: float) -> float:
+        return clip_grad_norm(self.dense, self.experts, max_norm, self.ctx)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.experts]
+
+    @torch.no_grad()
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for p, s in zip(self.experts, saved):
+            p.copy_(s)

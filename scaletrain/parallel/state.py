@@ -6,8 +6,18 @@ Expert parameters are found by their mark (``p.expert = True``) on a module that
 the layer's experts it holds (attributes ``first_expert`` and ``num_experts``; the local count is dim 0
 of the parameter), e.g. ``scaletrain.models.moe.Experts``. Every EP rank holds the same number of
 experts, so the gather is one ``all_gather`` per expert tensor over the EP group.
+
+Checkpoints under ep_size > 1: the engines' own files (DeepSpeed's mp_rank_00, Accelerate's
+model.safetensors / optimizer.bin) come from rank 0 and hold its experts only. Each EP rank (the first
+of its EDP group) also writes ``expert_shard_epRRR_of_PPP.pt``: its expert parameters and their
+optimizer state. Resume reloads a rank's shard over what the engine loaded, or reshards for another
+ep_size (``expert_checkpoint_load``); ``merge_expert_shards`` stacks the shards into the ep_size=1 state
+dict for export, evaluate and translate.
 """
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,4 +65,150 @@ def shard_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[st
         if t.shape[0] != total:
             raise ScaletrainError(f"{key}: the checkpoint has {t.shape[0]} experts, the model {total} (moe.num_experts)")
         out[key] = t[first:first + local[key].shape[0]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# expert shards in checkpoints
+# ---------------------------------------------------------------------------------------
+SHARD_GLOB = "expert_shard_ep*.pt"
+
+
+def shard_file(ckpt_dir: Path, ep_rank: int, ep_size: int) -> Path:
+    return Path(ckpt_dir) / f"expert_shard_ep{ep_rank:03d}_of_{ep_size:03d}.pt"
+
+
+def save_expert_shard(ckpt_dir: Path, model: nn.Module, optimizer, ctx: ParallelContext) -> None:
+    """Under ep_size > 1, the first rank of each EDP group writes its experts (parameters and their
+    optimizer state: Adam's moments and step) to ``expert_shard_epRRR_of_PPP.pt``; the engine's own
+    files hold rank 0's experts only. Written under a temporary name, then renamed."""
+    if ctx.ep_size == 1 or ctx.edp_rank != 0:
+        return
+    from scaletrain.fileio import replace_synced, temp_path
+
+    named = {n: p for n, p in model.named_parameters() if getattr(p, "expert", False)}
+    state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+    optim = {n: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state[p].items()}
+             for n, p in named.items() if p in state}
+    path = shard_file(ckpt_dir, ctx.ep_rank, ctx.ep_size)
+    tmp = temp_path(path)
+    torch.save({"ep_size": ctx.ep_size, "ep_rank": ctx.ep_rank,
+                "params": {n: p.detach().cpu().clone() for n, p in named.items()}, "optim": optim}, tmp)
+    replace_synced(tmp, path)
+
+
+def saved_ep_size(ckpt_dir: Path) -> int:
+    """The moe.ep_size a checkpoint was written with (1 when it has no expert shard files)."""
+    files = sorted(Path(ckpt_dir).glob(SHARD_GLOB))
+    return int(files[0].stem.rsplit("_", 1)[1]) if files else 1
+
+
+def check_ep_size(ckpt_dir: Path, ep_size: int, has_experts: bool, why: str = "") -> None:
+    """One-line error when a resume's moe.ep_size differs from the checkpoint's and the engine cannot
+    reshard (``why``: the engine's reason)."""
+    saved = saved_ep_size(ckpt_dir)
+    if has_experts and saved != ep_size:
+        raise ScaletrainError(
+            f"{ckpt_dir} was written with moe.ep_size={saved} but this run has moe.ep_size={ep_size}{why}; resume "
+            f"with moe.ep_size={saved}, or export it (scaletrain export consolidates the experts) and start a new run")
+
+
+def _expert_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if getattr(p, "expert", False)}
+
+
+@contextlib.contextmanager
+def expert_checkpoint_load(ckpt_dir: Path, model: nn.Module, optimizer, ctx: ParallelContext,
+                           reshard: bool = True):
+    """Around an engine's checkpoint load (collective-free). The engine's files hold rank 0's experts
+    (and, for the optimizer, their state) at the layout the checkpoint was written with; afterwards
+    this rank's experts and their optimizer state come from the expert shard files.
+
+    Another moe.ep_size than the checkpoint's (same world size): while the engine loads, each expert
+    parameter takes the shape of the saved rank-0 shard; then the full tensors (the engine's own at
+    saved ep_size 1, else every shard file stacked, optimizer moments too) are cut to this rank's
+    experts (``reshard``; False: one-line error naming both sizes)."""
+    ckpt_dir = Path(ckpt_dir)
+    saved, named, shards = saved_ep_size(ckpt_dir), _expert_params(model), expert_shards(model)
+    if not named or saved == ctx.ep_size:
+        yield
+        if named and ctx.ep_size > 1:
+            _load_own_shard(ckpt_dir, named, optimizer, ctx)
+        return
+    if not reshard:
+        check_ep_size(ckpt_dir, ctx.ep_size, True, " (DeepSpeed ZeRO-1/2 cannot reshard experts)")
+    mine = {n: p.data for n, p in named.items()}
+    for n, p in named.items():
+        p.data = torch.empty((shards[n][1] // saved,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+    try:
+        yield
+        loaded = {n: (p.data, dict(optimizer.state.get(p, {})) if optimizer is not None else {})
+                  for n, p in named.items()}
+    finally:
+        for n, p in named.items():
+            p.data = mine[n]
+    full = loaded if saved == 1 else _stacked_shards(ckpt_dir, saved)
+    with torch.no_grad():
+        for n, p in named.items():
+            first, total = shards[n]
+            cut = lambda t: t[first:first + p.shape[0]] if torch.is_tensor(t) and t.dim() and t.shape[0] == total else t
+            p.copy_(full[n][0][first:first + p.shape[0]])
+            if optimizer is not None and full[n][1]:
+                optimizer.state[p] = {k: cut(v).clone().to(p.device) if torch.is_tensor(v) else v
+                                      for k, v in full[n][1].items()}
+
+
+def _stacked_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, dict]]:
+    """name -> (every expert of the layer, their optimizer state) from all shard files."""
+    from scaletrain.safeload import safe_torch_load
+
+    files = [shard_file(ckpt_dir, r, saved) for r in range(saved)]
+    if not all(f.is_file() for f in files):
+        raise ScaletrainError(f"{ckpt_dir}: expert shard files missing for moe.ep_size={saved}; use an earlier checkpoint")
+    sh = [safe_torch_load(f) for f in files]
+    out = {}
+    for n in sh[0]["params"]:
+        optim = {}
+        if all(n in s["optim"] for s in sh):
+            for k, v in sh[0]["optim"][n].items():
+                optim[k] = torch.cat([s["optim"][n][k] for s in sh]) if torch.is_tensor(v) and v.dim() else v
+        out[n] = (torch.cat([s["params"][n] for s in sh]), optim)
+    return out
+
+
+@torch.no_grad()
+def _load_own_shard(ckpt_dir: Path, named: dict, optimizer, ctx: ParallelContext) -> None:
+    """This rank's experts and their optimizer state from its shard file (same ep_size as saved)."""
+    from scaletrain.safeload import safe_torch_load
+
+    path = shard_file(ckpt_dir, ctx.ep_rank, ctx.ep_size)
+    if not path.is_file():
+        raise ScaletrainError(f"{path} missing: the checkpoint lacks this rank's experts; use an earlier checkpoint")
+    sh = safe_torch_load(path)
+    if set(sh["params"]) != set(named):
+        raise ScaletrainError(f"{path}: expert tensors do not match the model (moe.* settings changed?)")
+    for n, p in named.items():
+        p.copy_(sh["params"][n])
+        if optimizer is not None and n in sh["optim"]:
+            optimizer.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
+                                  for k, v in sh["optim"][n].items()}
+
+
+def merge_expert_shards(ckpt_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` (an engine's model weights, which hold rank 0's experts) with every expert tensor
+    replaced by all EP ranks' shards stacked in global expert order: the ep_size=1 state dict.
+    Unchanged for a checkpoint without shard files."""
+    from scaletrain.safeload import safe_torch_load
+
+    files = sorted(Path(ckpt_dir).glob(SHARD_GLOB))
+    if not files:
+        return sd
+    ep = saved_ep_size(ckpt_dir)
+    if len(files) != ep:
+        raise ScaletrainError(f"{ckpt_dir}: {len(files)} expert shard files for moe.ep_size={ep}; the checkpoint "
+                              "is incomplete, use an earlier one")
+    shards = [safe_torch_load(f)["params"] for f in files]
+    out = dict(sd)
+    for key in shards[0]:
+        out[key] = torch.cat([s[key] for s in shards]).to(sd[key].dtype if key in sd else torch.float32)
     return out

@@ -71,7 +71,7 @@ class Trainer:
                                 vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()
-        self.param_counts = count_parameters(model)
+        self.param_counts = count_parameters(model, cfg.moe.ep_size)  # the whole model, every expert
         eng.setup(model)
         self.stream = stream if stream is not None else ShardLoader(
             cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=self._num_workers(),
@@ -91,7 +91,8 @@ class Trainer:
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
                                  byte_level=cfg.data.tokenizer == "byte",
                                  mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng))
-        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
+        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
+                                   lambda: self.build_model(expert_parallel=False))
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.preempted = False
@@ -107,10 +108,11 @@ class Trainer:
             log.info("data.num_workers auto -> %d: %s", n, why)
         return n
 
-    def build_model(self) -> torch.nn.Module:
+    def build_model(self, expert_parallel: bool = True) -> torch.nn.Module:
+        """The model; ``expert_parallel=False``: every expert in this process (decoding copies)."""
         moe = self.cfg.moe
         return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=moe,
-                           parallel=self.engine.parallel_context(moe.ep_size))
+                           parallel=self.engine.parallel_context(moe.ep_size) if expert_parallel else None)
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:

@@ -114,13 +114,24 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
 
 @torch.no_grad()
 def validation_loss(engine: Engine, unit: TranslationUnit, batches, max_batches: int) -> float:
-    """Mean nll per target token over at most ``max_batches`` of ``batches`` on every rank (collective)."""
+    """Mean nll per target token over at most ``max_batches`` of ``batches`` on every rank (collective).
+
+    Where every forward is a collective (``engine.partitioned()``: ZeRO-3 gathers, expert-parallel
+    exchanges) the ranks go in lock-step: a vote per batch, and a rank whose batches ran out re-runs its
+    last one (result discarded) while another rank still has one, so that no rank waits alone."""
     engine.train(False)
     nll, n = 0.0, 0
-    for i, batch in enumerate(batches):
-        if i >= max_batches:
+    lockstep, it, last = engine.partitioned(), iter(batches), None
+    for _ in range(max_batches):
+        batch = next(it, None)
+        if lockstep and engine.all_reduce_sum([float(batch is not None)])[0] == 0 or not lockstep and batch is None:
             break
-        _, nll_sum, ntok = unit.loss(batch.to(engine.device))
+        if batch is None:  # lock-step: join the others' collectives
+            if last is not None:
+                unit.loss(last)
+            continue
+        last = batch.to(engine.device)
+        _, nll_sum, ntok = unit.loss(last)
         nll += float(nll_sum)
         n += int(ntok)
     tot_nll, tot_n = engine.all_reduce_sum([nll, n])

@@ -1,0 +1,89 @@
+"""Driver of the expert-parallel training tests (run under the ``deepspeed`` launcher or
+``accelerate launch``): ``ep_driver.py OUT SHARDS JOBS_JSON``.
+
+A job ``{"name", "overrides", "grads": true}`` builds the trainer (engine set up, nothing trained),
+runs one forward/backward of a fixed batch per rank through the engine, reduces the gradients the
+way the engine does at an update (``ExpertParallelGrads``, or DDP's own all-reduce for the dense part),
+gathers the expert gradients of every layer over the expert-parallel group and writes
+OUT/NAME/grads_rank{r}.pt plus OUT/NAME/info_rank{r}.json (this rank's expert parameter count, the
+model's parameter count the trainer logs).
+Any other job is a training job of test_engine_replay.py's ``run_job`` (same global batch per update
+for any layout; OUT/NAME/params_rank{r}.pt holds the consolidated parameters).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+for _p in (ROOT, ROOT / "tests", ROOT / "tests" / "integration"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from test_engine_replay import TINY, Replay, fixed_batches, run_job  # noqa: E402
+
+
+def _gathered_expert_grads(module, ctx) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in module.named_parameters():
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        if getattr(p, "expert", False) and ctx.ep_size > 1:
+            parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
+            dist.all_gather(parts, g.contiguous(), group=ctx.ep_group)
+            g = torch.cat(parts)
+        out[name] = g
+    return out
+
+
+def grads_job(out: Path, shards: str, job: dict) -> None:
+    from scaletrain.cli import _setup_logging
+    from scaletrain.config import load_config
+    from scaletrain.parallel.grads import ExpertParallelGrads
+    from scaletrain.train import Trainer
+
+    _setup_logging(False)
+    d = out / job["name"]
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = load_config("small", [f"data.shards={shards}", f"train.out_dir={d}", *TINY, *job["overrides"]])
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(cfg, stream=Replay(fixed_batches(shards, world), rank, world, 1))
+    eng = trainer.engine
+    batch = fixed_batches(shards, world)[rank].to(eng.device)
+    eng.train(True)
+    loss_sum, _, ntok = trainer.unit.loss(batch)
+    total = eng.all_reduce_sum([float(ntok)])[0]
+    eng.backward(loss_sum * world / total)  # the engines average over the world
+    ep = ExpertParallelGrads(eng.module)
+    if ep.active:
+        ep.reduce(dense=cfg.engine.backend == "deepspeed")  # DDP already averaged the dense gradients
+    grads = _gathered_expert_grads(eng.module, ep.ctx)
+    torch.save(grads, d / f"grads_rank{rank}.pt")
+    write_info(d, eng, trainer.param_counts["total"])
+    trainer.close()
+    eng.barrier()
+
+
+def write_info(d: Path, eng, total: int) -> None:
+    experts = sum(p.numel() for p in eng.module.parameters() if getattr(p, "expert", False))
+    (d / f"info_rank{eng.rank}.json").write_text(json.dumps({"expert_params": experts, "total_params": total}))
+
+
+def main(argv: list[str]) -> None:
+    from scaletrain.cli import _strip_launcher_args
+
+    argv = _strip_launcher_args(argv)
+    out, shards, jobs = Path(argv[0]), argv[1], json.loads(argv[2])
+    for job in jobs:
+        if job.get("grads"):
+            grads_job(out, shards, job)
+        else:
+            run_job(out, shards, job)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

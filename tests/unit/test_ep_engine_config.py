@@ -1,0 +1,61 @@
+"""Expert parallelism (moe.ep_size > 1) under DeepSpeed: ZeRO-3 and 16-bit precisions are refused at
+start-up with one line naming the stage, the precision and what to use, ZeRO-1/2 with clipping too;
+ZeRO-0 fp32 resolves with DeepSpeed's gradient clipping off (the driver clips with the EP-aware norm).
+The MoE recipes have the sizes their comments give."""
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.engine.ds_config import load_ds_config
+from scaletrain.errors import ScaletrainError
+
+MOE = ["moe.num_experts=4", "moe.every=2", "moe.ep_size=2", "optim.clip_norm=1.0"]
+
+
+@pytest.mark.parametrize("ds,prec", [("zero3.json", "fp32"), ("zero0.json", "bf16"), ("zero3.json", "bf16")])
+def test_ep_refused_where_the_engine_cannot_reduce_experts(ds, prec):
+    cfg = load_config("small", [*MOE, f"engine.ds_config={ds}", f"engine.precision={prec}"])
+    with pytest.raises(ScaletrainError) as e:
+        load_ds_config(cfg, 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "moe.ep_size=2" in msg and "ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16" in msg and f"is {prec}" in msg
+    assert "engine.accelerate=ddp" in msg
+
+
+@pytest.mark.parametrize("ds", ["zero1.json", "zero2.json"])
+def test_ep_with_zero12_needs_no_clipping(ds):
+    cfg = load_config("small", [*MOE, f"engine.ds_config={ds}", "engine.precision=fp32"])
+    with pytest.raises(ScaletrainError, match=r"moe.ep_size=2 with ZeRO-\d .* needs optim.clip_norm=0"):
+        load_ds_config(cfg, 2)
+    ok = load_config("small", [*MOE[:3], "optim.clip_norm=0", f"engine.ds_config={ds}", "engine.precision=fp32"])
+    assert load_ds_config(ok, 2)["gradient_clipping"] == 0.0
+
+
+def test_ep_zero0_fp32_leaves_clipping_to_the_driver():
+    ds = load_ds_config(load_config("small", [*MOE, "engine.ds_config=zero0.json", "engine.precision=fp32"]), 2)
+    assert ds["gradient_clipping"] == 0.0
+    ds1 = load_ds_config(load_config("small", [*MOE[:2], "optim.clip_norm=1.0", "engine.ds_config=zero0.json",
+                                               "engine.precision=fp32"]), 2)
+    assert ds1["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize("recipe,total", [("moe_base", 132_535_296), ("moce_d5_moe", 132_638_400)])
+def test_moe_recipes_sizes_as_their_comments_say(recipe, total):
+    from scaletrain.models.summary import model_summary
+
+    cfg = load_config(recipe)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.every, cfg.moe.capacity_factor) == (8, 2, 2, 0.0)
+    assert cfg.engine.backend == "accelerate" and cfg.engine.accelerate == "ddp"  # EP in any precision
+    s = model_summary(cfg.model, 360, moe=cfg.moe)  # OPUS-100 vocabulary layout, as test_recipes_models
+    expert = 2 * 512 * 2048 + 2048 + 512
+    assert s["experts"] == 6 * 8 * expert and s["total"] == total
+    dense = model_summary(load_config("base" if recipe == "moe_base" else "moce_d5").model, 360)["total"]
+    assert total == dense - 6 * expert + 6 * 8 * expert + 6 * 512 * 8  # 6 FFNs -> 6 x 8 experts + routers
+
+
+def test_training_refuses_moce_partition_in_one_line():
+    with pytest.raises(ScaletrainError) as e:
+        load_config("moce_d5", ["moe.ep_size=2", "moe.moce_partition=true"])
+    assert "moe.moce_partition" in str(e.value) and "\n" not in str(e.value)
+    assert load_config("moce_d5_moe", ["moe.ep_size=2"]).moe.ep_size == 2  # FFN experts split, MoCE replicated
