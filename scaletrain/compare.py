@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -52,7 +53,17 @@ class RunData:
 
     @property
     def label(self) -> str:
-        return f"{self.run_name} ({self.run_id[:8]})" if self.run_name else self.run_id[:8]
+        arch = self.tags.get("arch", "")
+        name = self.run_name if not arch or arch in self.run_name else f"{self.run_name}/{arch}"  # e.g. small/moce
+        return f"{name} ({self.run_id[:8]})" if name else self.run_id[:8]
+
+
+# an evaluation key per direction ("test/bleu/de-en", "zh_Hans-en"); groups are "all", "latin", "utf8-2byte", ...
+_DIRECTION = re.compile(r"^[A-Za-z]{2,3}(_[A-Za-z]+)?-[A-Za-z]{2,3}(_[A-Za-z]+)?$")
+
+
+def is_direction_key(key: str) -> bool:
+    return key.startswith(EVAL_PREFIXES) and bool(_DIRECTION.match(key.rsplit("/", 1)[-1]))
 
 
 def _curve_keys(metrics: Iterable[str]) -> list[str]:
@@ -173,8 +184,9 @@ def _clean(v: Any) -> Any:
     return None if isinstance(v, float) and (math.isnan(v) or math.isinf(v)) else v
 
 
-def compare(runs: list[RunData]) -> Comparison:
-    """The side-by-side table of ``runs`` (see the module docstring)."""
+def compare(runs: list[RunData], directions: bool = False) -> Comparison:
+    """The side-by-side table of ``runs`` (see the module docstring); evaluation scores per group, and per
+    direction too with ``directions``."""
     keys = sorted({k for r in runs for k in r.params})
     differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in runs}) > 1]
     rows: list[tuple[str, list[Any]]] = [("config: " + k, [r.params.get(k) for r in runs]) for k in differing]
@@ -188,7 +200,8 @@ def compare(runs: list[RunData]) -> Comparison:
         rows.append((f"{k} best", [_clean(best(v for _, v in r.histories[k])) if r.histories.get(k) else None
                                    for r in runs]))
     for k in sorted({k for r in runs for k in r.metrics if k.startswith(EVAL_PREFIXES)}):
-        rows.append((k, [_clean(r.metrics.get(k)) for r in runs]))
+        if directions or not is_direction_key(k):
+            rows.append((k, [_clean(r.metrics.get(k)) for r in runs]))
     for k, name in MEAN_ROWS:
         if any(r.histories.get(k) for r in runs):
             rows.append((name, [_clean(sum(v for _, v in r.histories[k]) / len(r.histories[k]))
@@ -206,13 +219,15 @@ def _int(v):
 def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: float = 12.0, height: float = 4.0,
                     dpi: int = 100) -> Path:
     """One PNG of ``width`` x ``height`` inches at ``dpi``: train loss and validation nll against step, each
-    run one colour; a third panel with the evaluation BLEU per group (bars) when any run has scores."""
+    run one colour; a third panel with the evaluation chrF per group (bars) when any run has scores."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    groups = sorted({k[len("test/bleu/"):] for r in runs for k in r.metrics if k.startswith("test/bleu/")})
+    # chrF rather than BLEU: it separates short or early runs whose BLEU is still ~0
+    groups = sorted({k[len("test/chrf/"):] for r in runs for k in r.metrics
+                     if k.startswith("test/chrf/") and not is_direction_key(k)})
     panels = [k for k in CURVES if any(r.histories.get(k) for r in runs)] or list(CURVES[:1])
     n = len(panels) + (1 if groups else 0)
     fig, axes = plt.subplots(1, n, figsize=(width, height), dpi=dpi, squeeze=False)
@@ -230,10 +245,10 @@ def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: floa
         bw = 0.8 / max(len(runs), 1)
         for i, r in enumerate(runs):
             ax.bar([g + i * bw for g in range(len(groups))],
-                   [r.metrics.get(f"test/bleu/{g}", 0.0) for g in groups], bw, label=r.label)
+                   [r.metrics.get(f"test/chrf/{g}", 0.0) for g in groups], bw, label=r.label)
         ax.set_xticks([g + 0.4 - bw / 2 for g in range(len(groups))], groups, rotation=45, ha="right",
                       fontsize="small")
-        ax.set_title("test BLEU per group")
+        ax.set_title("test chrF per group")
         ax.legend(fontsize="small")
     fig.tight_layout()
     out = Path(path)

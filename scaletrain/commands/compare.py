@@ -26,7 +26,9 @@ def register(subparsers) -> None:
     cp.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlruns.db; "
                                                 "a run directory brings its own)")
     cp.add_argument("--format", default="table", choices=FORMATS, help="output format (default table)")
-    cp.add_argument("--plot", default=None, metavar="FILE", help="write overlaid learning curves to this PNG")
+    cp.add_argument("--plot", default=None, metavar="FILE",
+                    help="write overlaid learning curves and test chrF per group to this PNG")
+    cp.add_argument("--directions", action="store_true", help="also list evaluation scores per direction")
     cp.set_defaults(func=run)
 
 
@@ -37,7 +39,7 @@ def run(args) -> int:
 
     runs = load_runs(args.runs, experiment=args.experiment, filter_string=args.filter, uri=args.uri,
                      project_dir=Path.cwd(), max_runs=args.max_runs)
-    print(compare(runs).format(args.format))
+    print(compare(runs, directions=args.directions).format(args.format))
     if args.plot:
         out = plot_comparison(runs, args.plot)
         if args.format in ("table", "md"):

@@ -53,7 +53,7 @@ def test_compare_run_dirs_table_formats_and_plot(two_runs, monkeypatch, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     header = lines[0]
-    assert "tf (" in header and "msc (" in header
+    assert "tf/transformer (" in header and "msc (" in header  # run name / arch tag
     row = next(line for line in lines if line.startswith("config: model.arch"))
     assert row.split()[2:] == ["transformer", "msc"]
     assert any(line.startswith("config: model.conv.kernels") for line in lines)

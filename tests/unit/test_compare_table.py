@@ -42,3 +42,12 @@ def test_rows_and_formats(tmp_path):
     from matplotlib.image import imread
 
     assert imread(png).shape[:2] == (150, 450)
+
+
+def test_directions_are_told_from_groups():
+    from scaletrain.compare import is_direction_key
+
+    for k in ("test/bleu/de-en", "test/chrf/zh_Hans-en", "valid/bleu/en-ast"):
+        assert is_direction_key(k), k
+    for k in ("test/bleu/all", "test/chrf/utf8-2byte", "test/chrf/non-latin_xx2en", "test/bleu/latin", "train/loss"):
+        assert not is_direction_key(k), k
