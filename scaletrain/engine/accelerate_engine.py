@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 
 import torch
 
-from scaletrain.engine.base import Engine, StepInfo
+from scaletrain.engine.base import Engine, StepInfo, min_loss_scale_error
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
 from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
@@ -153,11 +154,17 @@ class AccelerateEngine(Engine):
         else:
             self.acc.unscale_gradients()
             norm = own_grad_norm(self.model.parameters())
+        scaler = self.acc.scaler  # fp16: the GradScaler skips overflowing updates and lowers its scale
+        if scaler is None and not math.isfinite(norm):  # the reduced gradient: the same on every rank
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepInfo(grad_norm=norm, lr=self.lr, skipped=True, nonfinite=True)
         self.optimizer.step()
         skipped = bool(self.optimizer.step_was_skipped)
         if not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if scaler is not None and skipped and scaler.get_scale() < self.cfg.engine.fp16_min_loss_scale:
+            raise min_loss_scale_error(scaler.get_scale())  # GradScaler itself has no minimum
         return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
 
     @property

@@ -26,7 +26,8 @@ from scaletrain.engine import Engine, build_engine
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
-from scaletrain.train.state import TimeBudget, TrainClock, TrainState
+from scaletrain.train.nonfinite import NonfiniteGuard
+from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.unit import StopVote, TranslationUnit, train_step
 from scaletrain.vocab import load_vocab
@@ -80,6 +81,7 @@ class Trainer:
         self.state = TrainState()
         self.clock = TrainClock(self.state)
         self.budget = TimeBudget(tc.max_minutes, self.state)
+        self.save_timer = SaveTimer(tc.save_every_minutes, self.state)
         self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
                                       on_save_error=tc.on_save_error)
         self.tracker = self._make_tracker()
@@ -89,6 +91,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker, self.build_model)
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
+        self.nonfinite = NonfiniteGuard(tc, self.out_dir, eng, self.state, self.vocab)
         self.preempted = False
 
     def build_model(self) -> torch.nn.Module:
@@ -115,21 +118,24 @@ class Trainer:
         self.logger.start()
         while st.step < self.cfg.train.max_steps:
             t_wait = time.perf_counter()
+            position = self.stream.state_dict()  # where the step's batches start (named if they give NaN/inf)
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
             data_wait = time.perf_counter() - t_wait
             out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded(),
-                             preempt_vote=self.preemption.requested)
+                             preempt_vote=self.preemption.requested,
+                             save_vote=eng.is_main and self.save_timer.due())
             if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
                 self.preempted = out.preempted
                 break
             st.step += 1
-            st.skipped_steps += int(out.info.skipped)
+            st.skipped_steps += int(out.info.skipped and not out.info.nonfinite)
             st.tokens_seen += out.global_tokens
             st.examples_seen += out.examples
             self.clock.tick()
             self.logger.after_step(out, data_wait)
+            self.nonfinite.after_step(out, micro, position)  # raises to stop (every rank, same step)
             decision = self.stopper.update(self.evaluator.after_step())
-            saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save)
+            saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save or out.save_due)
             self.stopper.keep(saved, decision)
             if decision.stop:
                 break
@@ -175,6 +181,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:
+        self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
         return dict(trainer_state=trainer_state, rank_state={"stream": self.stream.state_dict()},
                     config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
