@@ -22,7 +22,7 @@ import torch
 
 from scaletrain.engine.base import Engine, StepInfo, min_loss_scale_error
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
-from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
+from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
@@ -69,7 +69,7 @@ class AccelerateEngine(Engine):
         if self.mode == "deepspeed":
             ensure_dist_env()
             # Accelerate would pick DeepSpeed's default backend (ccl on CPU); initialise gloo first.
-            init_deepspeed_distributed(backend)
+            init_deepspeed_distributed(backend, collective_timeout(cfg))
             os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
             plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config)
         self.acc = Accelerator(
@@ -79,7 +79,7 @@ class AccelerateEngine(Engine):
             gradient_accumulation_steps=cfg.engine.grad_accum,
             step_scheduler_with_optimizer=False,  # else it steps the schedule once per process
             # a plain single process must not name a backend: Accelerate would then expect a process group
-            kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if launched else [],
+            kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=collective_timeout(cfg))] if launched else [],
         )
         if self.acc.num_processes != expected:
             raise ScaletrainError(

@@ -23,6 +23,7 @@ from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.stream import ShardLoader
 from scaletrain.engine import Engine, build_engine
+from scaletrain.engine.env import Peers
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
@@ -92,6 +93,7 @@ class Trainer:
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.nonfinite = NonfiniteGuard(tc, self.out_dir, eng, self.state, self.vocab)
+        self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
         self.preempted = False
 
     def build_model(self) -> torch.nn.Module:
@@ -101,6 +103,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        except Exception as e:  # a collective failed because a peer died or hung: one line naming it
+            err = self.peers.explain(e)
+            if err is None:
+                raise
+            raise err from None
+
+    def _fit(self) -> TrainResult:
         st, eng = self.state, self.engine
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
