@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -118,6 +119,10 @@ class Peers:
         if self.world_size == 1 or not isinstance(e, RuntimeError):
             return None
         dead = self.dead()
+        deadline = time.monotonic() + 3.0  # a killed peer's sockets close while its process is still exiting
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.1)
+            dead = self.dead()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         resume = "re-run the same command to resume from the last checkpoint"
         if dead:

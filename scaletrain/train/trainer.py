@@ -137,6 +137,7 @@ class Trainer:
                              save_vote=eng.is_main and self.save_timer.due())
             if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
                 self.preempted = out.preempted
+                self.stream.load_state_dict(position)  # unread: the checkpoint resumes with these batches
                 break
             st.step += 1
             st.skipped_steps += int(out.info.skipped and not out.info.nonfinite)
