@@ -30,6 +30,7 @@ from scaletrain.train.components import EarlyStopper, Evaluator, StepLogger
 from scaletrain.train.nonfinite import NonfiniteGuard
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
+from scaletrain.train.replay import ReplayFilter
 from scaletrain.train.unit import StopVote, TranslationUnit, train_step
 from scaletrain.vocab import load_vocab
 
@@ -85,7 +86,7 @@ class Trainer:
         self.save_timer = SaveTimer(tc.save_every_minutes, self.state)
         self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
                                       on_save_error=tc.on_save_error)
-        self.tracker = self._make_tracker()
+        self.tracker = ReplayFilter(self._make_tracker())  # re-done steps after a crash are not logged twice
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
                                  byte_level=cfg.data.tokenizer == "byte")
@@ -211,6 +212,7 @@ class Trainer:
         self.state.load_state_dict(trainer_state)
         self.stopper.restore()
         self.stream.load_state_dict(rank_state["stream"])
+        self.tracker.replaying_until(Path(self.out_dir) / "tracking" / "journal.jsonl", self.state.step)
         if self.engine.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
 
