@@ -210,6 +210,8 @@ def soak(args, root: Path, shards: Path, server: Server, steps: int) -> tuple[li
         while job.proc.poll() is None and job.last_step() < steps and (
                 job.last_step() < target or (kind != "tracking" and latest_step(out) <= start_ckpt)):
             time.sleep(0.2)
+        if kind != "tracking":
+            time.sleep(rng.uniform(0, 5))  # land anywhere in the checkpoint interval: steps get re-done
         if job.proc.poll() is not None or job.last_step() >= steps:
             break  # the job finished training before this fault: fewer faults (the report says so)
         ev = inject(kind, job, server, rng)
