@@ -75,6 +75,11 @@ class EngineConfig:
     accelerate: str = "ddp"  # with backend=accelerate: ddp (plain DDP) | deepspeed (DeepSpeed plugin, ds_config)
     activation_checkpointing: bool = False  # recompute each encoder/decoder layer in backward
     compile: bool = False  # torch.compile the model before the engine wraps it
+    # fp16 with Accelerate: stop with one line when the GradScaler's scale falls below this after an overflow
+    # (DeepSpeed stops at its ds_config fp16.min_loss_scale itself, with the same line)
+    fp16_min_loss_scale: float = 1.0
+    # gloo/NCCL collective timeout: a rank blocked this long on a dead or stuck peer fails instead of waiting
+    collective_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -84,6 +89,7 @@ class TrainConfig:
     max_minutes: float = 0.0  # wall-clock budget for the training loop; 0 = none
     log_every: int = 10
     save_every: int = 500
+    save_every_minutes: float = 0.0  # also save every N minutes of training-loop time (all sessions; 0 = off)
     keep_last: int = 3
     valid_every: int = 100  # validation loss every N steps (0 = only at the end)
     valid_max_batches: int = 50
@@ -98,6 +104,10 @@ class TrainConfig:
     # SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary and exit 75; without a step boundary
     # within this many seconds, exit without one (the deepspeed launcher sends SIGKILL 30 s after SIGTERM)
     preempt_grace_seconds: float = 20.0
+    # a NaN/inf loss or gradient on any rank: every rank skips that update and the batch's examples are written to
+    # OUT/nonfinite/; skip = train on (stop after max_nonfinite such updates in a row) | stop = stop at the first
+    nonfinite: str = "skip"
+    max_nonfinite: int = 5
     bleu_every: int = 0  # BLEU/chrF on eval.valid_lines per direction every N steps (0 = off)
     best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
     best_mode: str = "max"  # max | min
@@ -387,6 +397,20 @@ def _validate_numbers(cfg: Config, bad) -> None:
             bad(f"eval.{k}", "must be >= 0")
 
 
+def _validate_jobs(cfg: Config, bad) -> None:
+    """Long-job keys: time-based saves, the NaN/inf policy, fp16's minimum scale, collective timeouts."""
+    if cfg.train.nonfinite not in ("skip", "stop"):
+        bad("train.nonfinite", f"must be skip or stop, got {cfg.train.nonfinite!r}")
+    if cfg.train.max_nonfinite < 1:
+        bad("train.max_nonfinite", "must be >= 1 (consecutive skipped updates before stopping)")
+    if cfg.train.save_every_minutes < 0:
+        bad("train.save_every_minutes", "must be >= 0 (0 = no time-based saves)")
+    if cfg.engine.fp16_min_loss_scale <= 0:
+        bad("engine.fp16_min_loss_scale", "must be > 0")
+    if cfg.engine.collective_timeout_minutes <= 0:
+        bad("engine.collective_timeout_minutes", "must be > 0")
+
+
 def validate(cfg: Config) -> None:
     def bad(key, msg):
         raise ScaletrainError(f"config key '{key}': {msg}")
@@ -441,6 +465,7 @@ def validate(cfg: Config) -> None:
         bad("train.on_corrupt_checkpoint", f"must be fallback or stop, got {cfg.train.on_corrupt_checkpoint!r}")
     if cfg.train.on_save_error not in ("stop", "continue"):
         bad("train.on_save_error", f"must be stop or continue, got {cfg.train.on_save_error!r}")
+    _validate_jobs(cfg, bad)
     if cfg.train.best_mode not in ("max", "min"):
         bad("train.best_mode", f"must be max or min, got {cfg.train.best_mode!r}")
     for k in ("bleu_every", "patience", "valid_every", "save_every", "keep_last", "max_minutes",

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 
 import torch
 
-from scaletrain.engine.base import Engine, StepInfo
+from scaletrain.engine.base import Engine, StepInfo, min_loss_scale_error
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
-from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
+from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
@@ -76,7 +77,7 @@ class AccelerateEngine(Engine):
         if self.mode == "deepspeed":
             ensure_dist_env()
             # Accelerate would pick DeepSpeed's default backend (ccl on CPU); initialise gloo first.
-            init_deepspeed_distributed(backend)
+            init_deepspeed_distributed(backend, collective_timeout(cfg))
             os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
             plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config)
         self.acc = Accelerator(
@@ -86,7 +87,7 @@ class AccelerateEngine(Engine):
             gradient_accumulation_steps=cfg.engine.grad_accum,
             step_scheduler_with_optimizer=False,  # else it steps the schedule once per process
             # a plain single process must not name a backend: Accelerate would then expect a process group
-            kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if launched else [],
+            kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=collective_timeout(cfg))] if launched else [],
         )
         if self.acc.num_processes != expected:
             raise ScaletrainError(
@@ -174,11 +175,17 @@ class AccelerateEngine(Engine):
         else:
             self.acc.unscale_gradients()
             norm = own_grad_norm(self.model.parameters())
+        scaler = self.acc.scaler  # fp16: the GradScaler skips overflowing updates and lowers its scale
+        if scaler is None and not math.isfinite(norm):  # the reduced gradient: the same on every rank
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepInfo(grad_norm=norm, lr=self.lr, skipped=True, nonfinite=True)
         self.optimizer.step()
         skipped = bool(self.optimizer.step_was_skipped)
         if not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if scaler is not None and skipped and scaler.get_scale() < self.cfg.engine.fp16_min_loss_scale:
+            raise min_loss_scale_error(scaler.get_scale())  # GradScaler itself has no minimum
         return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
 
     @property

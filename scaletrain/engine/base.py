@@ -22,7 +22,16 @@ from scaletrain.parallel import ParallelContext, build_parallel_context
 class StepInfo:
     grad_norm: float
     lr: float
-    skipped: bool = False  # fp16 overflow: the update was skipped
+    skipped: bool = False  # the update was skipped (fp16 overflow, or a non-finite gradient)
+    nonfinite: bool = False  # skipped because the gradient was NaN/inf outside fp16 loss scaling (train.nonfinite)
+
+
+def min_loss_scale_error(scale: float) -> ScaletrainError:
+    """The one line both engines stop with when fp16's dynamic loss scale cannot go lower."""
+    return ScaletrainError(
+        f"fp16 loss scale reached its minimum ({scale:g}): the gradients overflow at every scale, so no update "
+        "can be applied; use engine.precision=bf16 or fp32 (or a lower optim.lr) and re-run to resume from the "
+        "last checkpoint")
 
 
 class Engine(ABC):

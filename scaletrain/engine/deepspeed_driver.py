@@ -9,11 +9,12 @@ norm, ZeRO-3 parameter gathering and checkpoint I/O are written once here. Code 
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
 
-from scaletrain.engine.base import StepInfo
+from scaletrain.engine.base import StepInfo, min_loss_scale_error
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -160,19 +161,47 @@ class DeepSpeedDriver:
         return int(getattr(self.e, "skipped_steps", 0) or 0)
 
     def step(self) -> StepInfo:
+        """The update. A non-finite gradient is never applied: ZeRO 1-3 and fp16 skip it themselves (their
+        global norm check); on the plain path (fp32, no ZeRO) our own norm of the all-reduced gradient,
+        identical on every rank, decides and the optimizer's step is withheld for this update."""
         before = self._skipped()
         if self.own_ep:
             self.ep.reduce(dense=True)
             own = self.ep.clip(self.clip_norm)
         else:
             own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
-        self.e.step()
+        try:
+            if own is not None and not math.isfinite(own):
+                self._skip_update()
+            else:
+                self.e.step()
+        except Exception as e:  # DeepSpeed's own stop at fp16's minimum loss scale (a bare Exception)
+            if "loss scale already at minimum" in str(e):
+                raise min_loss_scale_error(float(getattr(self.e.optimizer, "cur_scale", 0.0) or 0.0)) from None
+            raise
         norm = own if own is not None else self.e.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         skipped = self._skipped() > before
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
-        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped,
+                        nonfinite=skipped and not self.e.fp16_enabled() and not math.isfinite(norm))
+
+    def _skip_update(self) -> None:
+        """``e.step()`` without the optimizer's update: DeepSpeed still zeroes the gradients and advances its
+        micro-step counters, and counts the update as skipped (no LR step), as for an fp16 overflow."""
+        opt = self.e.optimizer
+        saved = {k: vars(opt)[k] for k in ("step", "overflow") if k in vars(opt)}  # e.g. the LR scheduler's wrapper
+        opt.step = lambda *a, **k: None  # instance attribute: shadows the optimizer's step for this call
+        opt.overflow = True
+        try:
+            self.e.step()
+        finally:
+            for k in ("step", "overflow"):
+                if k in saved:
+                    setattr(opt, k, saved[k])
+                else:
+                    delattr(opt, k)
 
     @property
     def lr(self) -> float:

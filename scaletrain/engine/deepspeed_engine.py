@@ -9,7 +9,7 @@ import torch
 
 from scaletrain.engine.base import Engine, StepInfo
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
-from scaletrain.engine.env import configure_threads, ensure_dist_env, init_deepspeed_distributed
+from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
@@ -28,7 +28,7 @@ class DeepSpeedEngine(Engine):
 
         self._ds = deepspeed
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        init_deepspeed_distributed(backend)
+        init_deepspeed_distributed(backend, collective_timeout(cfg))
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))

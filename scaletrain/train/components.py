@@ -124,7 +124,7 @@ class StepLogger:
         self._ntok += out.ntok
         self._examples += out.examples
         self._tok += out.global_tokens
-        self._skipped += int(out.info.skipped)
+        self._skipped += int(out.info.skipped and not out.info.nonfinite)
         self.progress.step()
         st = self.state
         if st.step % self.tc.log_every == 0 or st.step == self.tc.max_steps:
@@ -146,6 +146,7 @@ class StepLogger:
             "train/grad_norm": info.grad_norm, "train/tokens_per_s": tps,
             "train/src_tgt_tokens_per_s": (self._tok + self._src) / elapsed,
             "train/tokens_seen": st.tokens_seen, "train/skipped_steps": float(st.skipped_steps),
+            "train/nonfinite_steps": float(st.nonfinite_steps),
             "train/data_wait_s": self._wait / max(self._steps, 1),  # per step, this rank
             "train/data_wait_frac": self._wait / elapsed,
             **peak_memory(eng.device),

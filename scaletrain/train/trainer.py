@@ -25,12 +25,15 @@ from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import fetch_options, open_source
 from scaletrain.data.stream import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
+from scaletrain.engine.env import Peers
 from scaletrain.models import build_model, count_parameters
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.mfu import MfuEstimator
-from scaletrain.train.state import TimeBudget, TrainClock, TrainState
+from scaletrain.train.nonfinite import NonfiniteGuard
+from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
+from scaletrain.train.replay import ReplayFilter
 from scaletrain.train.unit import StopVote, TranslationUnit, train_step
 from scaletrain.vocab import load_vocab
 
@@ -84,9 +87,10 @@ class Trainer:
         self.state = TrainState()
         self.clock = TrainClock(self.state)
         self.budget = TimeBudget(tc.max_minutes, self.state)
+        self.save_timer = SaveTimer(tc.save_every_minutes, self.state)
         self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
                                       on_save_error=tc.on_save_error)
-        self.tracker = self._make_tracker()
+        self.tracker = ReplayFilter(self._make_tracker())  # re-done steps after a crash are not logged twice
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
                                  byte_level=cfg.data.tokenizer == "byte",
@@ -95,6 +99,8 @@ class Trainer:
                                    lambda: self.build_model(expert_parallel=False))
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
+        self.nonfinite = NonfiniteGuard(tc, self.out_dir, eng, self.state, self.vocab)
+        self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
         self.preempted = False
         self.system_metrics = None  # NodeSystemMetrics on each node's local rank 0 (fit)
 
@@ -116,6 +122,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        except Exception as e:  # a collective failed because a peer died or hung: one line naming it
+            err = self.peers.explain(e)
+            if err is None:
+                raise
+            raise err from None
+
+    def _fit(self) -> TrainResult:
         st, eng = self.state, self.engine
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
@@ -135,21 +150,25 @@ class Trainer:
         self.evaluator.progress = self.logger.progress
         while st.step < self.cfg.train.max_steps:
             t_wait = time.perf_counter()
+            position = self.stream.state_dict()  # where the step's batches start (named if they give NaN/inf)
             micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
             data_wait = time.perf_counter() - t_wait
             out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded(),
-                             preempt_vote=self.preemption.requested)
+                             preempt_vote=self.preemption.requested,
+                             save_vote=eng.is_main and self.save_timer.due())
             if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
                 self.preempted = out.preempted
+                self.stream.load_state_dict(position)  # unread: the checkpoint resumes with these batches
                 break
             st.step += 1
-            st.skipped_steps += int(out.info.skipped)
+            st.skipped_steps += int(out.info.skipped and not out.info.nonfinite)
             st.tokens_seen += out.global_tokens
             st.examples_seen += out.examples
             self.clock.tick()
             self.logger.after_step(out, data_wait)
+            self.nonfinite.after_step(out, micro, position)  # raises to stop (every rank, same step)
             decision = self.stopper.update(self.evaluator.after_step())
-            saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save)
+            saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save or out.save_due)
             self._record_checkpoint(saved)
             self.stopper.keep(saved, decision)
             if decision.stop:
@@ -207,6 +226,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:
+        self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
         return dict(trainer_state=trainer_state, rank_state={"stream": self.stream.state_dict()},
                     config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
@@ -229,6 +249,7 @@ class Trainer:
         self.state.load_state_dict(trainer_state)
         self.stopper.restore()
         self.stream.load_state_dict(rank_state["stream"])
+        self.tracker.replaying_until(Path(self.out_dir) / "tracking" / "journal.jsonl", self.state.step)
         if self.engine.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
 

@@ -6,6 +6,7 @@ statistics (MoCE expert shares per language, mean radius).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,13 @@ class StepOutput:
     ntok: int
     examples: int
     global_src_tokens: int = 0  # source tokens of the step, all ranks (throughput)
+    save_due: bool = False  # rank 0's clock says a time-based checkpoint is due (train.save_every_minutes)
+
+    @property
+    def loss_finite(self) -> bool:
+        """This rank's loss sums are finite (a NaN/inf loss on any rank makes the reduced gradient, and so
+        ``info.nonfinite``, non-finite on every rank)."""
+        return math.isfinite(self.loss_sum) and math.isfinite(self.nll_sum)
 
 
 @dataclass
@@ -77,10 +85,11 @@ class StopVote:
 
 
 def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool,
-               preempt_vote: bool = False) -> StepOutput | StopVote:
+               preempt_vote: bool = False, save_vote: bool = False) -> StepOutput | StopVote:
     """One update over ``micro`` (grad_accum batches), or a :class:`StopVote` when any rank voted to stop
     (``stop_vote``: budget spent; ``preempt_vote``: a preemption signal); the votes ride on the step's
-    token all-reduce, so every rank stops at the same step.
+    token all-reduce, so every rank stops at the same step. ``save_vote`` (rank 0's save timer) comes
+    back as ``StepOutput.save_due`` on every rank, from the same all-reduce.
 
     Loss normalisation: the target tokens of the whole step (all ranks, all micro-batches) are
     all-reduced first, and each micro-batch's summed loss is scaled so that, after the engine's averaging
@@ -88,8 +97,8 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     """
     local_tok = sum(b.n_tgt_tokens for b in micro)
     local_src = sum(b.n_src_tokens for b in micro)
-    g_tok, g_stop, g_src, g_preempt = engine.all_reduce_sum([local_tok, float(stop_vote), local_src,
-                                                            float(preempt_vote)])
+    g_tok, g_stop, g_src, g_preempt, g_save = engine.all_reduce_sum([local_tok, float(stop_vote), local_src,
+                                                                    float(preempt_vote), float(save_vote)])
     if g_stop > 0 or g_preempt > 0:
         return StopVote(preempted=g_preempt > 0)
     scale = engine.world_size * len(micro) / g_tok
@@ -109,7 +118,7 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     acc = [0.0, 0.0, 0.0]
     for s in torch.stack(sums).cpu().tolist():  # left-to-right sums, as before
         acc = [a + x for a, x in zip(acc, s)]
-    return StepOutput(info, int(g_tok), acc[0], acc[1], int(acc[2]), examples, int(g_src))
+    return StepOutput(info, int(g_tok), acc[0], acc[1], int(acc[2]), examples, int(g_src), save_due=g_save > 0)
 
 
 @torch.no_grad()

@@ -1,0 +1,62 @@
+"""SIGTERM to the bare ``deepspeed`` runner alone (issue 14 items 2/4: a container runtime's SIGTERM to PID 1 when
+the user runs ``deepspeed ... -m scaletrain train`` as the container command). The runner does not forward it on
+one node and dies, leaving DeepSpeed's launch.py and the ranks behind; the ranks notice their launcher chain broke
+(scaletrain.train.preemption.LauncherWatch), checkpoint at the next step boundary, write preempted.json and exit,
+well before a container's usual 30 s kill."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from helpers import ROOT, deepspeed_cmd, launcher_env
+from test_nonfinite import TINY
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_runner_alone_checkpoints_and_the_ranks_exit(django_shards, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    log = tmp_path / "run.log"
+    cmd = deepspeed_cmd(2, "tests/integration/slow_driver.py", str(out), "small", *TINY,
+                        f"data.shards={django_shards}", f"train.out_dir={out}", "train.max_steps=100000",
+                        "train.save_every=0")
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env={**launcher_env(tmp_path), "SLOW_STEP_SECONDS": "0.2"}, cwd=ROOT, stdout=f,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while "step      3 |" not in log.read_text():
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        pids = [int((out / f"pid_rank{r}").read_text()) for r in (0, 1)]
+        p.send_signal(signal.SIGTERM)  # the runner only, not its process group
+        t0 = time.time()
+        p.wait(timeout=30)
+        while any(_alive(pid) for pid in pids) and time.time() - t0 < 60:
+            time.sleep(0.2)
+        took = time.time() - t0
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # whatever is left of the job (nothing, when it works)
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert took < 20, (took, text[-3000:])
+    assert "the deepspeed runner (pid" in text and "treating it as SIGTERM" in text
+    marker = json.loads((out / "preempted.json").read_text())
+    step = marker["step"]
+    assert marker["signal"] == "SIGTERM" and step >= 3
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step:07d}"
