@@ -44,6 +44,7 @@ def _accelerate_engine(scale: float, skipped: bool) -> AccelerateEngine:
     model = torch.nn.Linear(2, 2)
     eng.cfg = SimpleNamespace(optim=SimpleNamespace(clip_norm=1.0), engine=SimpleNamespace(fp16_min_loss_scale=1.0))
     eng._ds, eng.model = None, model
+    eng.ep = SimpleNamespace(active=False)  # no expert parallelism
     eng.acc = SimpleNamespace(sync_gradients=True, clip_grad_norm_=lambda params, clip: torch.tensor(float("inf")),
                               scaler=SimpleNamespace(get_scale=lambda: scale))
     eng.optimizer = SimpleNamespace(step=lambda: None, step_was_skipped=skipped, zero_grad=lambda set_to_none: None,
