@@ -2,9 +2,10 @@
 
 One training process (the `small` recipe's model, d 256, 3+3 layers, fp32, AdamW) trains on the
 bundled shards with ``ShardLoader(num_workers=0)`` and with ``num_workers=W``, in interleaved rounds
-of ``--steps`` steps each (a fresh loader per round, worker start-up included). Per round and
+of ``--steps`` steps each (a fresh loader per round). Per round and
 loader: seconds per training step and the data wait per step (time spent in ``next()`` of the
-loader, i.e. what the step waited for its batch). The ratio in-process / workers of the step time
+loader, i.e. what the step waited for its batch), after the first batch (start-up: workers forked, the
+first window read, is left out). The ratio in-process / workers of the step time
 is taken per round (the two runs are adjacent in time) and its median and range are printed.
 
 ``--decode-ms X`` makes every full block read X ms slower (a stand-in for an expensive decode, e.g.
@@ -53,6 +54,7 @@ def run_round(model, opt, shards: str, workers: int, steps: int, max_tokens: int
     loader = stream_mod.ShardLoader(shards, "train", num_workers=workers, max_tokens=max_tokens, max_bytes=160,
                                     seed=len(os.sched_getaffinity(0)))
     it = iter(loader)
+    next(it)  # start-up (workers forked, the first window read) is not part of the steady state
     wait = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):

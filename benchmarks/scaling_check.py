@@ -94,6 +94,7 @@ def worker(a) -> None:
 
     torch.set_flush_denormal(True)
     cfg = load_config(a.recipe, [f"engine.ds_config=ds_configs/zero{a.stage}.json", "engine.precision=fp32",
+                                 "engine.threads=1",  # the same compute per rank at 1 and 2 ranks
                                  f"train.out_dir={a.out}/run", "train.resume=false"])
     tr = Trainer(cfg)
     eng, it = tr.engine, iter(tr.stream)
