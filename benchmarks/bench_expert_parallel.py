@@ -33,7 +33,8 @@ from scaletrain.parallel import exchange as X  # noqa: E402
 
 
 class _Volume:
-    """Counts the bytes this rank sends to other ranks through ``all_to_all_v`` (forward and backward)."""
+    """Counts the bytes this rank sends to other ranks through ``all_to_all_single`` (forward and backward):
+    rows of a 2-D tensor, or elements of a 1-D stream (MoCE's windows, ``bench_expert_parallel_moce.py``)."""
 
     def __init__(self):
         self.bytes = 0
@@ -43,9 +44,9 @@ class _Volume:
         rank = dist.get_rank()
 
         def counted(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
-            if input_split_sizes is not None and inp.dim() == 2:
-                row = inp.shape[1] * inp.element_size()
-                self.bytes += sum(n for r, n in enumerate(input_split_sizes) if r != rank) * row
+            if input_split_sizes is not None:
+                unit = (inp[0].numel() if inp.dim() > 1 and inp.shape[0] else 1) * inp.element_size()
+                self.bytes += sum(n for r, n in enumerate(input_split_sizes) if r != rank) * unit
             return self._orig(out, inp, output_split_sizes, input_split_sizes, group=group)
 
         X.dist.all_to_all_single = counted
@@ -53,6 +54,14 @@ class _Volume:
 
     def __exit__(self, *exc):
         X.dist.all_to_all_single = self._orig
+
+
+def launch(worker, args) -> None:
+    """``worker(rank, 2, port, args)`` on 2 forked gloo ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(2, port, args), nprocs=2, start_method="fork")
 
 
 def _step(layer, x):
@@ -108,10 +117,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(2, port, a), nprocs=2, start_method="fork")
+    launch(_worker, a)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ expert work and costs (k + 1) Dh elements each way.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -23,36 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_expert_parallel import _Volume, launch  # noqa: E402  (byte counting, the 2-rank launch)
 from scaletrain.models.convattn import MoCEExperts  # noqa: E402
 from scaletrain.parallel import ParallelContext, build_parallel_context  # noqa: E402
-from scaletrain.parallel import exchange as X  # noqa: E402
-
-
-class Volume:
-    """Bytes this rank sends to other ranks through ``all_to_all_single`` (rows or 1-D streams)."""
-
-    def __init__(self):
-        self.bytes = 0
-        self._orig = X.dist.all_to_all_single
-
-    def __enter__(self):
-        rank = dist.get_rank()
-
-        def counted(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
-            if input_split_sizes is not None:
-                unit = (inp[0].numel() if inp.dim() > 1 and inp.shape[0] else 1) * inp.element_size()
-                self.bytes += sum(n for r, n in enumerate(input_split_sizes) if r != rank) * unit
-            return self._orig(out, inp, output_split_sizes, input_split_sizes, group=group)
-
-        X.dist.all_to_all_single = counted
-        return self
-
-    def __exit__(self, *exc):
-        X.dist.all_to_all_single = self._orig
 
 
 def kernels_for(delta: int) -> list[int]:
@@ -84,7 +60,7 @@ def _worker(rank: int, world: int, port: int, a) -> None:
         for ep in (1, 2):
             dist.barrier()
             t = time.perf_counter()
-            with Volume() as v:
+            with _Volume() as v:
                 _step(layers[ep], z, pad, lang)
             dist.barrier()
             if r >= a.warmup:
@@ -117,10 +93,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(2, port, a), nprocs=2, start_method="fork")
+    launch(_worker, a)
 
 
 if __name__ == "__main__":
