@@ -427,10 +427,6 @@ def validate(cfg: Config) -> None:
         bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
     cfg.model.validate()  # the model rules (scaletrain.models.config)
     cfg.moe.validate(cfg.model)
-    if cfg.moe.moce_partition and cfg.moe.ep_size > 1:
-        bad("moe.moce_partition", "expert-parallel MoCE exists as a layer (scaletrain.models.moce_ep) but the engines "
-            "do not yet consolidate its owned expert tensors (checkpoints, decoding); set moe.moce_partition=false "
-            "(MoCE experts replicated, FFN experts still split by moe.ep_size)")
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
     if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):

@@ -34,7 +34,7 @@ from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_n
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, owned_params, rank0_layout, save_expert_shard
 from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -111,7 +111,8 @@ class AccelerateEngine(Engine):
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
             model._ddp_params_and_buffers_to_ignore = list(self.ep.expert_names)
         stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
-        with native_moe(model, self.ep, stage if self.mode == "deepspeed" else 0):
+        with native_moe(model, self.ep, stage if self.mode == "deepspeed" else 0), \
+                rank0_layout(model, self.ep.ctx.ep_size):  # owned experts alike while rank 0's are broadcast
             optimizer = build_optimizer(model, self.cfg)
             scheduler = build_scheduler(optimizer, self.cfg)
             self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
@@ -247,5 +248,22 @@ class AccelerateEngine(Engine):
         for rng_file in sorted(d.glob("random_states_*.pkl")):
             safe_torch_load(rng_file)
         # experts: this rank's from its shard file, resharded when the checkpoint's ep_size differs
+        strict = self._check_owned_keys(d)
         with expert_checkpoint_load(d, self.module, self.optimizer.optimizer, self.ep.ctx), weights_only_loads():
-            self.acc.load_state(str(d))
+            self.acc.load_state(str(d), strict=strict)
+
+    def _check_owned_keys(self, d: Path) -> bool:
+        """safetensors leaves out of model.safetensors the experts that were empty on rank 0 (owned MoCE
+        experts of other ranks: zero-size tensors look "shared" to it); those, and only those, may be
+        missing there, so the load is not strict then. Their values come from the expert shard files."""
+        owned = owned_params(self.module)
+        if not owned:
+            return True
+        from safetensors import safe_open
+
+        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+            have = set(f.keys())
+        missing = set(self.module.state_dict()) - have - set(owned)
+        if missing:
+            raise ScaletrainError(f"{d / 'model.safetensors'} lacks {sorted(missing)[:5]}; use an earlier checkpoint")
+        return False

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.parallel import ParallelContext, build_parallel_context
+from scaletrain.parallel import ParallelContext, build_parallel_context, model_parallel_context
+from scaletrain.parallel.lockstep import LockstepDecoder
 
 
 @dataclass
@@ -105,17 +106,21 @@ class Engine(ABC):
     def inference_module(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         """The module to decode with on this rank, in eval mode. Collective: call it on every rank.
 
-        Decoding runs no collective, so ranks may run different numbers of forward passes (their
-        shares of lines give outputs of different lengths). That is only safe while every rank holds
-        the full parameters: then this is ``module`` itself. Where parameters are partitioned (ZeRO-3,
-        or expert parallelism: a rank holds only its experts), every rank gathers the full weights
-        once into a plain copy made by ``build()``, a single-process model holding every expert (one
-        model's memory per rank, until the caller drops it). Building the copy does not move the RNG
-        stream.
+        Ranks decode different numbers of lines into outputs of different lengths, so they run
+        different numbers of forward passes. While every rank holds the full parameters that needs no
+        collective: this is ``module`` itself. Under expert parallelism (a rank holds only its
+        experts) it is ``module`` wrapped in a ``scaletrain.parallel.lockstep.LockstepDecoder``: the
+        experts stay where they are and the ranks join each other's exchanges (with no rows where they
+        have nothing to decode); every rank calls its ``finish()`` after its last batch. Under ZeRO-3
+        every rank gathers the full weights once into a plain copy made by ``build()`` (one model's
+        memory per rank, until the caller drops it). Building the copy does not move the RNG stream.
         """
         self.train(False)
         if not self.partitioned():
             return self.module
+        ctx = model_parallel_context(self.module)
+        if ctx.ep_size > 1:  # experts stay where they are; ranks decode in lock-step (finish() after)
+            return LockstepDecoder(self.module, ctx)
         sd = self.full_state_dict()
         with torch.random.fork_rng(devices=[]):
             copy = build()

@@ -18,7 +18,7 @@ from scaletrain.engine.base import StepInfo, min_loss_scale_error
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, owned_params, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -75,6 +75,8 @@ def native_moe(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: int)
     if not ep.active or zero_stage not in (1, 2):
         yield
         return
+    if owned_params(model):  # refused at config time (ds_config._check_expert_parallel); also for direct callers
+        raise ScaletrainError(f"moe.moce_partition with moe.ep_size > 1 needs ZeRO-0, not ZeRO-{zero_stage}")
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.utils import groups
 

@@ -14,6 +14,7 @@ from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
 from scaletrain.parallel.grads import ExpertParallelGrads
+from scaletrain.parallel.state import rank0_layout
 
 
 class DeepSpeedEngine(Engine):
@@ -44,7 +45,9 @@ class DeepSpeedEngine(Engine):
         ep = ExpertParallelGrads(model)
         experts = ep.snapshot() if ep.active else None
         stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
-        with native_moe(model, ep, stage):  # ZeRO-1/2 under expert parallelism: DeepSpeed's MoE path
+        # ZeRO-1/2 under expert parallelism: DeepSpeed's MoE path; owned experts (MoCE) shaped alike on
+        # every rank while DeepSpeed broadcasts rank 0's parameters (each rank's come back after)
+        with native_moe(model, ep, stage), rank0_layout(model, ep.ctx.ep_size):
             optimizer = build_optimizer(model, self.cfg)
             scheduler = build_scheduler(optimizer, self.cfg)
             engine, _, _, _ = self._ds.initialize(

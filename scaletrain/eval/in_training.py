@@ -134,7 +134,8 @@ class BleuValidator:
     def run(self, model, *, rank: int = 0, world_size: int = 1,
             gather: Callable[[object], list] | None = None,
             progress: Callable[[int], None] | None = None) -> ValidationResult:
-        """Decode this rank's share with ``model`` (no collectives), gather every rank's hypotheses (a
+        """Decode this rank's share with ``model`` (no collectives, except a ``LockstepDecoder``'s under
+        expert parallelism, joined to the end by ``finish()``), gather every rank's hypotheses (a
         collective: all ranks must call ``run``), score the whole subset. ``gather(obj) -> [obj of each
         rank]`` defaults to ``torch.distributed.all_gather_object``; ``progress(n)`` is called after each
         decoded batch of this rank with its number of lines."""
@@ -147,6 +148,8 @@ class BleuValidator:
             res = translate_examples(model, [self.examples[i] for i in idx], self.vocab, progress=progress,
                                      **self.decode_kw)
             mine = list(zip(idx, res.texts, res.invalid))
+        if hasattr(model, "finish"):  # lock-step decoding (expert parallelism): join the other ranks' batches
+            model.finish()
         parts = gather(mine) if gather is not None else _all_gather_objects(mine, world_size)
         hyps: list[str | None] = [None] * len(self.examples)
         invalid = [0] * len(self.examples)

@@ -164,9 +164,13 @@ class MoCEExperts(nn.Module):
         self.kernel_mode = kernel_mode  # model.kernels: auto lets dispatch auto take the routed path on CPU
         self._stats: dict[str, torch.Tensor] | None = None  # plain tensors, never DDP-broadcast buffers
         # expert parallelism (moe.ep_size > 1): each conv expert on one rank of the EP group (moce_ep)
+        # (moe.moce_partition hands a context at every ep_size: the conv experts are then marked as experts
+        # at ep_size 1 too, so runs at different ep_size have the same optimizer groups and checkpoints
+        # reshard between them)
         self.parallel = parallel if parallel is not None and parallel.ep_size > 1 else None
-        self.owners = (shard_conv_experts(self.weights, self.biases, self.conv_kernels, self.parallel)
-                       if self.parallel is not None else None)
+        owners = (shard_conv_experts(self.weights, self.biases, self.conv_kernels, parallel)
+                  if parallel is not None else None)
+        self.owners = owners if self.parallel is not None else None
 
     def conv_outputs(self, z: torch.Tensor) -> torch.Tensor:
         """z [N, T, Dh] -> [N, T, n_conv, Dh] (one stacked conv)."""
@@ -260,6 +264,15 @@ class MoCEExperts(nn.Module):
             out = ident if out is None else out + ident
         # pad rows are 0 on both paths (they are never attended to and never reach a real position)
         return (out.transpose(1, 2).reshape(G, B, H, T * Dh) * keep).view(G, B, H, T, Dh)
+
+    @torch.no_grad()
+    def join_exchange(self) -> None:
+        """Take part in this layer's expert exchanges with no rows (lock-step decoding under expert
+        parallelism, ``scaletrain.parallel.lockstep``: a rank with nothing to encode)."""
+        z = self.router.weight.new_zeros(0, 1, self.head_dim)
+        idx = torch.zeros(0, 1, self.top_k, dtype=torch.long, device=z.device)
+        routed_experts_ep(z, z.new_zeros(0, 1, self.top_k), idx, idx.new_zeros(0, 1, dtype=torch.bool), self.kernels,
+                          self.is_identity, self.weights, self.biases, self.owners, self.parallel)
 
     def routed_path(self, z: torch.Tensor) -> bool:
         """Evaluate only the routed slots (``moce_routed``) instead of the dense one-conv bank: on CPU

@@ -1,6 +1,8 @@
 """Model size and compute: parameter counts per component and FLOPs per target token (for MFU)."""
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from scaletrain.models.config import ModelConfig
@@ -34,7 +36,10 @@ def count_parameters(model: nn.Module, expert_parallel: int = 1) -> dict[str, in
         seen.add(id(p))
         top = name.split(".", 1)[0]
         group = _GROUPS.get(top, top if "." in name else "other")
-        n = p.numel() * (expert_parallel if getattr(p, "expert", False) else 1)
+        if getattr(p, "full_shape", None) is not None:  # an owned expert (MoCE under EP): whole on one rank
+            n = math.prod(p.full_shape)
+        else:
+            n = p.numel() * (expert_parallel if getattr(p, "expert", False) else 1)
         out[group] = out.get(group, 0) + n
         if ".variant." in name:
             variant += n

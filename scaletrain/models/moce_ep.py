@@ -6,7 +6,8 @@ each to the rank with the fewest taps so far, so the work per rank is balanced h
 fall); identity experts have no weights and stay on every rank. A rank keeps only the weights of its
 own experts; the other experts' entries of ``MoCEExperts.weights`` / ``biases`` are empty tensors,
 so parameter names (and checkpoint keys) are those of the ep_size=1 model and consolidation only
-has to fill the empty entries from their owners (``consolidate_owned``).
+has to fill the empty entries from their owners (``scaletrain.parallel.state``: "owned" expert
+tensors, beside the stacked MoE-FFN experts; checkpoints, export and resharding handle both).
 
 Forward of one layer on one rank (R rows = (q|k|v, sentence, head, position), top-k slots):
 
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.parallel.context import ParallelContext
+from scaletrain.parallel.context import ParallelContext, balanced_owners
 from scaletrain.parallel.exchange import all_to_all_v
 
 
@@ -56,16 +57,7 @@ def conv_owners(conv_kernels: Sequence[int], ep_size: int) -> list[int]:
         raise ScaletrainError(
             f"moe.ep_size={ep_size} is larger than the {len(conv_kernels)} conv experts of a MoCE layer "
             f"(model.conv.kernels without the identity 0); use moe.ep_size <= {len(conv_kernels)}")
-    owners = [0] * len(conv_kernels)
-    taps = [0] * ep_size
-    experts = [0] * ep_size
-    for j in sorted(range(len(conv_kernels)), key=lambda j: -conv_kernels[j]):
-        # a rank without an expert yet takes precedence, so every rank owns one
-        p = min(range(ep_size), key=lambda p: (experts[p] > 0, taps[p], p))
-        owners[j] = p
-        taps[p] += conv_kernels[j]
-        experts[p] += 1
-    return owners
+    return balanced_owners(conv_kernels, ep_size)
 
 
 def _gather_counts(counts: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -78,6 +70,8 @@ def _gather_counts(counts: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
 def _windows(z: torch.Tensor, T: int, r: int, rows: torch.Tensor, k: int) -> torch.Tensor:
     """[M, Dh*k]: the k-wide windows (zero padded at sentence ends) centred on ``rows`` of z [R, Dh]."""
     R, Dh = z.shape
+    if rows.numel() == 0:  # nothing routed to this expert here (or no rows at all: lock-step decoding);
+        return z[:0].repeat(1, k)  # still a view of z, so the exchange is in the graph on every rank
     zp = F.pad(z.view(R // T, T, Dh), (0, 0, r, r)).view(-1, Dh)
     centre = rows + (rows // T) * (2 * r) + r
     return zp.unfold(0, k, 1).index_select(0, centre - k // 2).reshape(-1, Dh * k)  # [M, Dh, k] flattened
@@ -132,42 +126,15 @@ def shard_conv_experts(weights, biases, conv_kernels: Sequence[int], ctx: Parall
     """Keep only this rank's conv experts in the ParameterLists ``weights``/``biases`` (built in full
     on every rank from the same seed, so every owner holds the weights an ep_size=1 model would have);
     the others become empty. Marks each expert parameter: ``expert`` (its own optimizer group, gradients
-    reduced over the expert-data-parallel group), ``ep_owner`` (EP rank) and ``full_shape``."""
+    reduced over the expert-data-parallel group), ``ep_owner`` (EP rank), ``full_shape`` and
+    ``owner_rule`` (``scaletrain.parallel.state``: consolidation, checkpoints, resharding)."""
     owners = conv_owners(conv_kernels, ctx.ep_size)
     for j, owner in enumerate(owners):
         for plist in (weights, biases):
             full = plist[j]
             if owner != ctx.ep_rank:
                 plist[j] = torch.nn.Parameter(full.detach().new_empty(0))
-            plist[j].expert, plist[j].ep_owner, plist[j].full_shape = True, owner, tuple(full.shape)
+            q = plist[j]
+            q.expert, q.ep_owner, q.full_shape = True, owner, tuple(full.shape)
+            q.owner_rule = (tuple(conv_kernels), j)  # the owner at any ep_size (resharding a checkpoint)
     return owners
-
-
-@torch.no_grad()
-def consolidate_owned(module: torch.nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """{parameter name: full tensor} for every owned expert parameter of ``module`` (``p.ep_owner``
-    set), each broadcast from its owner over the EP group (collective: every rank of the group calls
-    it, in the same order)."""
-    out = {}
-    for name, p in module.named_parameters():
-        owner = getattr(p, "ep_owner", None)
-        if owner is None:
-            continue
-        src = dist.get_global_rank(ctx.ep_group, owner) if ctx.ep_group is not None else owner
-        t = p.detach().clone() if ctx.ep_rank == owner else p.new_empty(p.full_shape)
-        dist.broadcast(t, src, group=ctx.ep_group)
-        out[name] = t
-    return out
-
-
-@torch.no_grad()
-def load_owned(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Set this rank's owned expert parameters from a full (ep_size=1 or consolidated) state dict;
-    the experts of other ranks stay empty."""
-    for name, p in module.named_parameters():
-        owner = getattr(p, "ep_owner", None)
-        if owner is not None and p.numel():
-            if tuple(full[name].shape) != tuple(p.shape):
-                raise ScaletrainError(f"{name}: shape {tuple(full[name].shape)} in the state dict, the model "
-                                      f"holds {tuple(p.shape)}")
-            p.copy_(full[name])

@@ -189,6 +189,12 @@ class MoEFeedForward(nn.Module):
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, rows, y)
         return y.view(shape)
 
+    @torch.no_grad()
+    def join_exchange(self) -> None:
+        """Take part in this layer's expert exchanges with no tokens (lock-step decoding under expert
+        parallelism, ``scaletrain.parallel.lockstep``: a rank without a step to run)."""
+        self._moe(self.router.weight.new_zeros(0, self.router.in_features))
+
     def _moe(self, h: torch.Tensor) -> torch.Tensor:
         idx, weights, probs = self.route(h)
         self.aux_loss = self.load_balancing_loss(idx, probs)

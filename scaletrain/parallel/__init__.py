@@ -7,6 +7,8 @@
   count exchange, variable-size all-to-all with autograd, permute / unpermute by destination expert.
 - ``state.py``: expert shards <-> the full (ep_size=1) state dict: consolidation over the EP group and
   resharding for another ep_size.
+- ``lockstep.py``: decoding with the experts sharded: the ranks of an EP group vote before each encode
+  and decoder step and join each other's exchanges with no rows.
 - ``grads.py``: expert-gradient reduction over the expert-data-parallel group (scaled by the world
   size, so the update does not depend on ep_size) and the clipping norm that counts each expert once.
 """

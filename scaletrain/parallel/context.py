@@ -62,6 +62,22 @@ class ParallelContext:
         return range(self.ep_rank * n, (self.ep_rank + 1) * n)
 
 
+def balanced_owners(sizes, ep_size: int) -> list[int]:
+    """EP rank owning each of a layer's experts of unequal cost ``sizes`` (MoCE's conv experts:
+    kernel taps): the largest first, each to the rank with the least cost so far, a rank without an
+    expert first (ties: lowest rank), so every rank owns one when there are at least ``ep_size``. The
+    same on every rank, so a checkpoint written at one ep_size can be re-cut for another."""
+    owners = [0] * len(sizes)
+    cost = [0] * ep_size
+    count = [0] * ep_size
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        p = min(range(ep_size), key=lambda p: (count[p] > 0, cost[p], p))
+        owners[j] = p
+        cost[p] += sizes[j]
+        count[p] += 1
+    return owners
+
+
 def build_parallel_context(ep_size: int, world_size: Optional[int] = None, rank: Optional[int] = None) -> ParallelContext:
     """The context of this rank for ``moe.ep_size = ep_size``; creates the process groups.
 

@@ -2,10 +2,17 @@
 resume with another ep_size. The full state dict of an ep_size=P model is exactly the state dict of
 the same model at ep_size=1 (each layer's experts stacked in global order along dim 0).
 
-Expert parameters are found by their mark (``p.expert = True``) on a module that says which slice of
-the layer's experts it holds (attributes ``first_expert`` and ``num_experts``; the local count is dim 0
-of the parameter), e.g. ``scaletrain.models.moe.Experts``. Every EP rank holds the same number of
-experts, so the gather is one ``all_gather`` per expert tensor over the EP group.
+Two kinds of expert tensors, both marked ``p.expert = True``:
+
+* stacked (MoE-FFN, ``scaletrain.models.moe.Experts``): the module says which slice of the layer's
+  experts it holds (``first_expert``, ``num_experts``; the local count is dim 0 of the parameter).
+  Every EP rank holds the same number, so the gather is one ``all_gather`` per tensor over the EP group.
+* owned (MoCE's conv experts, ``scaletrain.models.moce_ep``): one tensor per expert, whole on its
+  owner (``p.ep_owner``) and empty on the other ranks of the EP group; ``p.full_shape`` and
+  ``p.owner_rule`` (expert costs, index) give its shape and its owner at any ep_size. The gather is
+  a broadcast from the owner. The shapes differ between the ranks of an EP group, so engines that
+  assume equal shapes everywhere (DeepSpeed's start-up broadcast of rank 0's parameters, loading
+  rank 0's module file on every rank) run inside ``rank0_layout``.
 
 Checkpoints under ep_size > 1: the engines' own files (DeepSpeed's mp_rank_00, Accelerate's
 model.safetensors / optimizer.bin) come from rank 0 and hold its experts only. Each EP rank (the first
@@ -24,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.parallel.context import ParallelContext
+from scaletrain.parallel.context import ParallelContext, balanced_owners
 
 
 def expert_shards(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -39,6 +46,66 @@ def expert_shards(model: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
+def owned_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The owned expert tensors (MoCE's conv experts under expert parallelism), by name."""
+    return {n: p for n, p in model.named_parameters() if getattr(p, "ep_owner", None) is not None}
+
+
+def _owner_at(p: nn.Parameter, ep_size: int) -> int:
+    sizes, j = p.owner_rule
+    return balanced_owners(sizes, ep_size)[j]
+
+
+def _shape_at_rank0(name: str, p: nn.Parameter, shards: dict, ep_size: int) -> tuple[int, ...]:
+    """The shape expert parameter ``name`` has on EP rank 0 of a model at ``ep_size``."""
+    if getattr(p, "ep_owner", None) is not None:
+        return tuple(p.full_shape) if _owner_at(p, ep_size) == 0 else (0,)
+    return (shards[name][1] // ep_size,) + tuple(p.shape[1:])
+
+
+def _local_part(name: str, p: nn.Parameter, t: torch.Tensor, shards: dict) -> torch.Tensor:
+    """This rank's part of ``t``, the full tensor (every expert) of expert parameter ``name``."""
+    if getattr(p, "ep_owner", None) is not None:
+        return t if p.numel() else t.new_empty(0)
+    first = shards[name][0]
+    return t[first:first + p.shape[0]]
+
+
+def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from every EP rank's part: owned (empty on all ranks but one) -> the owner's;
+    stacked -> concatenated in expert order."""
+    if any(t.numel() == 0 for t in parts):
+        whole = [t for t in parts if t.numel()]
+        if len(whole) != 1:
+            raise ScaletrainError(f"expert tensor {name}: {len(whole)} ranks hold it whole, expected one owner")
+        return whole[0]
+    return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def placeholders(params: dict[str, nn.Parameter], shapes: dict[str, tuple[int, ...]]):
+    """Each parameter temporarily holds zeros of ``shapes[name]`` (the same tensor object, so an optimizer
+    keeps its handle); on exit it gets its own values back, on the device and in the dtype the engine
+    gave the placeholder."""
+    mine = {n: p.data for n, p in params.items()}
+    for n, p in params.items():
+        p.data = torch.zeros(shapes[n], dtype=p.dtype, device=p.device)
+    try:
+        yield
+    finally:
+        for n, p in params.items():
+            p.data = mine[n].to(device=p.device, dtype=p.dtype)
+
+
+def rank0_layout(model: nn.Module, ep_size: int):
+    """Context: every owned expert tensor shaped as on EP rank 0 (whole where rank 0 owns the expert,
+    else empty), so that every rank's parameters have the same shapes while an engine broadcasts rank
+    0's parameters or loads rank 0's module file; each rank's own tensors come back on exit (their
+    values: this rank's own, re-read from its expert shard by ``expert_checkpoint_load``)."""
+    owned = owned_params(model)
+    return placeholders(owned, {n: _shape_at_rank0(n, p, {}, ep_size) for n, p in owned.items()})
+
+
 def consolidate_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """The full state dict (every expert of every layer) on every rank of the EP group; collective
     over the EP group when ep_size > 1 (every rank, same order)."""
@@ -50,6 +117,11 @@ def consolidate_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, 
         parts = [torch.empty_like(t) for _ in range(ctx.ep_size)]
         dist.all_gather(parts, t, group=ctx.ep_group)
         sd[key] = torch.cat(parts, 0)
+    for key, p in sorted(owned_params(model).items()):  # broadcast from each expert's owner
+        src = dist.get_global_rank(ctx.ep_group, p.ep_owner)
+        t = p.detach().clone() if ctx.ep_rank == p.ep_owner else p.new_empty(p.full_shape)
+        dist.broadcast(t, src, group=ctx.ep_group)
+        sd[key] = t
     return sd
 
 
@@ -58,7 +130,15 @@ def shard_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[st
     ``model.load_state_dict``; one-line error when a layer's expert count differs."""
     out = dict(full)
     local = model.state_dict()
-    for key, (first, total) in expert_shards(model).items():
+    shards = expert_shards(model)
+    for key, p in owned_params(model).items():
+        if key not in full:
+            raise ScaletrainError(f"checkpoint has no expert tensor {key}")
+        if tuple(full[key].shape) != tuple(p.full_shape):
+            raise ScaletrainError(f"{key}: shape {tuple(full[key].shape)} in the checkpoint, the model's expert "
+                                  f"is {tuple(p.full_shape)} (model.conv.kernels or model dimensions changed?)")
+        out[key] = _local_part(key, p, full[key], shards)
+    for key, (first, total) in shards.items():
         if key not in full:
             raise ScaletrainError(f"checkpoint has no expert tensor {key}")
         t = full[key]
@@ -121,45 +201,39 @@ def _expert_params(model: nn.Module) -> dict[str, nn.Parameter]:
 def expert_checkpoint_load(ckpt_dir: Path, model: nn.Module, optimizer, ctx: ParallelContext,
                            reshard: bool = True):
     """Around an engine's checkpoint load (collective-free). The engine's files hold rank 0's experts
-    (and, for the optimizer, their state) at the layout the checkpoint was written with; afterwards
-    this rank's experts and their optimizer state come from the expert shard files.
+    (and, for the optimizer, their state) at the layout the checkpoint was written with: while the
+    engine loads, every expert parameter has the shape it had on rank 0 then (``placeholders``);
+    afterwards this rank's experts and their optimizer state come from the expert shard files.
 
-    Another moe.ep_size than the checkpoint's (same world size): while the engine loads, each expert
-    parameter takes the shape of the saved rank-0 shard; then the full tensors (the engine's own at
-    saved ep_size 1, else every shard file stacked, optimizer moments too) are cut to this rank's
+    Another moe.ep_size than the checkpoint's (same world size): the full tensors (the engine's own
+    at saved ep_size 1, else every shard file joined, optimizer moments too) are cut to this rank's
     experts (``reshard``; False: one-line error naming both sizes)."""
     ckpt_dir = Path(ckpt_dir)
     saved, named, shards = saved_ep_size(ckpt_dir), _expert_params(model), expert_shards(model)
-    if not named or saved == ctx.ep_size:
+    if not named or (saved == ctx.ep_size == 1):
         yield
-        if named and ctx.ep_size > 1:
-            _load_own_shard(ckpt_dir, named, optimizer, ctx)
         return
-    if not reshard:
+    if saved != ctx.ep_size and not reshard:
         check_ep_size(ckpt_dir, ctx.ep_size, True, " (DeepSpeed ZeRO-1/2 cannot reshard experts)")
-    mine = {n: p.data for n, p in named.items()}
-    for n, p in named.items():
-        p.data = torch.empty((shards[n][1] // saved,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-    try:
+    with placeholders(named, {n: _shape_at_rank0(n, p, shards, saved) for n, p in named.items()}):
         yield
         loaded = {n: (p.data, dict(optimizer.state.get(p, {})) if optimizer is not None else {})
                   for n, p in named.items()}
-    finally:
-        for n, p in named.items():
-            p.data = mine[n]
-    full = loaded if saved == 1 else _stacked_shards(ckpt_dir, saved)
+    if saved == ctx.ep_size:
+        _load_own_shard(ckpt_dir, named, optimizer, ctx)
+        return
+    full = loaded if saved == 1 else _joined_shards(ckpt_dir, saved)
     with torch.no_grad():
         for n, p in named.items():
-            first, total = shards[n]
-            cut = lambda t: t[first:first + p.shape[0]] if torch.is_tensor(t) and t.dim() and t.shape[0] == total else t
-            p.copy_(full[n][0][first:first + p.shape[0]])
-            if optimizer is not None and full[n][1]:
-                optimizer.state[p] = {k: cut(v).clone().to(p.device) if torch.is_tensor(v) else v
-                                      for k, v in full[n][1].items()}
+            t, state = full[n]
+            p.copy_(_local_part(n, p, t, shards))
+            if optimizer is not None and state:
+                optimizer.state[p] = {k: _local_part(n, p, v, shards).clone().to(p.device)
+                                      if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
 
 
-def _stacked_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, dict]]:
-    """name -> (every expert of the layer, their optimizer state) from all shard files."""
+def _joined_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, dict]]:
+    """name -> (the full tensor: every expert of the layer, its optimizer state) from all shard files."""
     from scaletrain.safeload import safe_torch_load
 
     files = [shard_file(ckpt_dir, r, saved) for r in range(saved)]
@@ -168,11 +242,12 @@ def _stacked_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor,
     sh = [safe_torch_load(f) for f in files]
     out = {}
     for n in sh[0]["params"]:
+        parts = [s["params"][n] for s in sh]
         optim = {}
         if all(n in s["optim"] for s in sh):
             for k, v in sh[0]["optim"][n].items():
-                optim[k] = torch.cat([s["optim"][n][k] for s in sh]) if torch.is_tensor(v) and v.dim() else v
-        out[n] = (torch.cat([s["params"][n] for s in sh]), optim)
+                optim[k] = _join(n, [s["optim"][n][k] for s in sh]) if torch.is_tensor(v) and v.dim() else v
+        out[n] = (_join(n, parts), optim)
     return out
 
 
@@ -196,7 +271,8 @@ def _load_own_shard(ckpt_dir: Path, named: dict, optimizer, ctx: ParallelContext
 
 def merge_expert_shards(ckpt_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sd`` (an engine's model weights, which hold rank 0's experts) with every expert tensor
-    replaced by all EP ranks' shards stacked in global expert order: the ep_size=1 state dict.
+    replaced by all EP ranks' shards joined (stacked in global expert order; owned: the owner's): the
+    ep_size=1 state dict.
     Unchanged for a checkpoint without shard files."""
     from scaletrain.safeload import safe_torch_load
 
@@ -210,5 +286,5 @@ def merge_expert_shards(ckpt_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str
     shards = [safe_torch_load(f)["params"] for f in files]
     out = dict(sd)
     for key in shards[0]:
-        out[key] = torch.cat([s[key] for s in shards]).to(sd[key].dtype if key in sd else torch.float32)
+        out[key] = _join(key, [s[key] for s in shards]).to(sd[key].dtype if key in sd else torch.float32)
     return out

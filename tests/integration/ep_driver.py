@@ -4,7 +4,8 @@
 A job ``{"name", "overrides", "grads": true}`` builds the trainer (engine set up, nothing trained),
 runs one forward/backward of a fixed batch per rank through the engine, reduces the gradients the
 way the engine does at an update (``ExpertParallelGrads``, or DDP's own all-reduce for the dense part),
-gathers the expert gradients of every layer over the expert-parallel group and writes
+gathers the expert gradients of every layer over the expert-parallel group (owned MoCE experts: from
+their owner) and writes
 OUT/NAME/grads_rank{r}.pt plus OUT/NAME/info_rank{r}.json (this rank's expert parameter count, the
 model's parameter count the trainer logs).
 Any other job is a training job of test_engine_replay.py's ``run_job`` (same global batch per update
@@ -32,7 +33,11 @@ def _gathered_expert_grads(module, ctx) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        if getattr(p, "expert", False) and ctx.ep_size > 1:
+        if getattr(p, "ep_owner", None) is not None and ctx.ep_size > 1:  # owned (MoCE): whole on its owner
+            t = g.contiguous() if ctx.ep_rank == p.ep_owner else g.new_empty(p.full_shape)
+            dist.broadcast(t, dist.get_global_rank(ctx.ep_group, p.ep_owner), group=ctx.ep_group)
+            g = t
+        elif getattr(p, "expert", False) and ctx.ep_size > 1:
             parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
             dist.all_gather(parts, g.contiguous(), group=ctx.ep_group)
             g = torch.cat(parts)

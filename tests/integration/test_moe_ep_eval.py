@@ -2,7 +2,8 @@
 launcher): in-training BLEU/chrF (every rank decodes its share of lines with the experts gathered
 into a full copy, no exchange while decoding) and the validation loss (ranks in lock-step; here
 rank 1 has fewer batches than rank 0 and joins rank 0's last exchanges) give exactly what one process
-holding every expert gives."""
+holding every expert gives; for MoE-FFN experts, and for MoCE's conv experts spread over the ranks
+(moe.moce_partition) with MoE-FFN experts in the same model."""
 from __future__ import annotations
 
 import json
@@ -57,17 +58,26 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
+MOE_EXPERTS = 2 * 4 * (32 * 32 + 32 + 32 * 32 + 32)  # 4 FFN experts in each of 2 layers
+CONV = "model.arch=moce", "model.conv.kernels=[0,1,3,5]", "moe.moce_partition=true"  # conv experts over the ranks
+
+
 @pytest.mark.slow
-def test_two_ranks_ep2_decoding_and_validation_equal_one_process(django_shards, tmp_path):
+@pytest.mark.parametrize("model", ["moe", "moce+moe"])
+def test_two_ranks_ep2_decoding_and_validation_equal_one_process(django_shards, tmp_path, model):
     driver = tmp_path / "ep_val_driver.py"
     driver.write_text(DRIVER)
     over = [f"data.shards={django_shards}", *tiny_model(dropout=None), "data.max_bytes=60",
             "engine.ds_config=ds_configs/zero0.json", "engine.precision=fp32", "tracking.enabled=false",
-            "moe.num_experts=4", "moe.every=1", "moe.ffn_dim=32", "moe.ep_size=2", "optim.label_smoothing=0"]
+            "moe.num_experts=4", "moe.every=1", "moe.ffn_dim=32", "moe.ep_size=2", "optim.label_smoothing=0",
+            *(CONV if model == "moce+moe" else ())]
     run(deepspeed_cmd(2, str(driver), str(tmp_path), str(django_shards), *over), launcher_env(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"val_rank{r}.json").read_text()) for r in (0, 1))
     assert r0["partitioned"] and r1["partitioned"] and r0["copy"]  # the EP path really ran
-    assert r0["experts"] == r1["experts"] == 2 * 4 * (32 * 32 + 32 + 32 * 32 + 32) // 2
+    if model == "moe":
+        assert r0["experts"] == r1["experts"] == MOE_EXPERTS // 2
+    else:  # rank 0 owns the 5-tap conv expert, rank 1 the 3- and 1-tap ones (Dh = 16)
+        assert (r0["experts"], r1["experts"]) == (MOE_EXPERTS // 2 + 16 * 16 * 5 + 16, MOE_EXPERTS // 2 + 16 * 16 * 4 + 32)
     assert r0["local"] == r1["local"] == 20
     assert r0["metrics"] == r1["metrics"] == r0["ref"]  # same numbers everywhere, = one process
     assert r0["hyps"] == r0["ref_hyps"] and len(set(r0["hyps"])) > 5

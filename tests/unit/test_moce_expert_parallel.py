@@ -13,8 +13,9 @@ from helpers import run_ranks
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.models.config import ConvConfig, MoEConfig
 from scaletrain.models.convattn import MoCEExperts
-from scaletrain.models.moce_ep import conv_owners, consolidate_owned, load_owned
+from scaletrain.models.moce_ep import conv_owners
 from scaletrain.parallel import ParallelContext, build_parallel_context
+from scaletrain.parallel.state import consolidate_state_dict, shard_state_dict
 
 KERNELS = [0, 1, 3, 5, 7, 9]  # MoCE Δ=5: identity + 5 conv experts
 DH, LANGS = 6, 3
@@ -115,20 +116,23 @@ def _worker(rank, world):
     for case in ("routed top-2", "all to one expert", "rank 1 only padding", "one token"):
         _check(case, ctx, rank)
     _check_model(ctx, rank)
-    # consolidation: the owners' weights, everywhere; load_owned cuts a full state dict back
+    # consolidation: the owners' weights, everywhere; shard_state_dict cuts a full state dict back
     ep = _layer(ctx)
-    full = consolidate_owned(ep, ctx)
+    full = {k: v.clone() for k, v in consolidate_state_dict(ep, ctx).items()}  # (dense entries are views)
     ref = dict(_layer(ParallelContext.single()).named_parameters())
-    assert sorted(full) == sorted(n for n in ref if n.startswith(("weights.", "biases.")))
-    for name, t in full.items():
-        torch.testing.assert_close(t, ref[name], rtol=0, atol=0)
+    assert sorted(n for n in full if n.startswith(("weights.", "biases."))) == \
+        sorted(n for n in ref if n.startswith(("weights.", "biases.")))
+    for name in ref:
+        torch.testing.assert_close(full[name], ref[name], rtol=0, atol=0)
     with torch.no_grad():
         for p in ep.parameters():
             p.zero_()
-    load_owned(ep, full)
+    ep.load_state_dict(shard_state_dict(full, ep))
     for name, p in ep.named_parameters():
-        if p.numel() and name in full:
+        if p.numel():
             torch.testing.assert_close(p, ref[name], rtol=0, atol=0)
+        else:
+            assert p.ep_owner != rank and p.full_shape == tuple(ref[name].shape), name
 
 
 def test_owners_balance_taps_and_cover_every_rank():
