@@ -299,12 +299,6 @@ def _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset=LANG_OF
 # ----------------------------------------------------------------------------------------------
 # beam search
 
-# Cache entries of the core Transformer's DecoderCache that are computed from the encoder output
-# (cross-attention K/V): identical for every beam of a sentence, so a reorder among the beams of each
-# sentence leaves them unchanged.
-_ENCODER_SIDE_KEYS = frozenset({"ck", "cv"})
-
-
 def _reorder_beams(model, cache, flat: torch.Tensor, shrunk: bool):
     """``model.reorder_cache(cache, flat)`` where ``flat`` maps every new row to an old row of the SAME
     sentence (beam reordering). For the core Transformer's cache two copies are saved (together about a
@@ -312,24 +306,34 @@ def _reorder_beams(model, cache, flat: torch.Tensor, shrunk: bool):
     are left as they are, and when at most half of the rows move (usually most beams keep their row) only
     the moved rows of the self-attention K/V are rewritten, in place. After rows were dropped (``shrunk``)
     or for any other cache type, ``model.reorder_cache`` does the whole reorder."""
-    from scaletrain.models.transformer import DecoderCache, kv_index_select
+    from scaletrain.models.transformer import ENCODER_SIDE_KEYS, DecoderCache, kv_index_select
 
     if shrunk or type(cache) is not DecoderCache:
         return model.reorder_cache(cache, flat)
     moved = (flat != torch.arange(flat.numel(), device=flat.device)).nonzero().squeeze(1)
     if moved.numel() * 2 > flat.numel():
         return DecoderCache([
-            {n: (t if n in _ENCODER_SIDE_KEYS else kv_index_select(t, flat)) for n, t in layer.items()}
+            {n: (t if n in ENCODER_SIDE_KEYS else kv_index_select(t, flat)) for n, t in layer.items()}
             for layer in cache.layers
-        ])
+        ], cache.beams)
     # most beams keep their row: copy only the rows that change, in place (the self-attention K/V are
     # fresh tensors of this cache, written by the decoder's last step and referenced nowhere else)
     src = flat.index_select(0, moved)
     for layer in cache.layers:
         for n, t in layer.items():
-            if n not in _ENCODER_SIDE_KEYS:
+            if n not in ENCODER_SIDE_KEYS:
                 t.index_copy_(0, moved, t.index_select(0, src))
     return cache
+
+
+def _expand_beams(enc, rows: torch.Tensor, K: int):
+    """Every encoder row for the ``K`` beams of its sentence: the core Transformer's ``EncoderOut`` shares
+    one row per sentence (``expand_beams``); any other encoder output is copied ``K`` times."""
+    from scaletrain.models.transformer import EncoderOut
+
+    if type(enc) is EncoderOut and enc.beams == 1:
+        return enc.expand_beams(K)
+    return enc.index_select(rows.repeat_interleave(K))
 
 
 def _top_candidates(scores: torch.Tensor, lprobs: torch.Tensor, K: int):
@@ -388,9 +392,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
     B = src.shape[0]
     K = beam
     device = src.device
-    enc = model.encode(src)
-    rows = torch.arange(B, device=device).repeat_interleave(K)
-    enc = enc.index_select(rows)
+    enc = _expand_beams(model.encode(src), torch.arange(B, device=device), K)
     tokens = tgt_tags.repeat_interleave(K)  # [B*K]
     # only the first beam of each sentence is live at step 0, so the K beams do not start identical
     scores = torch.full((B, K), -math.inf, dtype=torch.float32, device=device)

@@ -326,7 +326,11 @@ class DecoderLayer(nn.Module):
 
     def _cross(self, h, enc: "EncoderOut", key_mask, layer_cache):
         a = self.cross_attn
-        q = a.split(a.q_proj(h))
+        q = a.q_proj(h)
+        if enc.beams > 1:  # the queries of a sentence's beams attend to its one copy of the keys together
+            N, T, D = q.shape
+            q = q.reshape(N // enc.beams, enc.beams * T, D)
+        q = a.split(q)
         if layer_cache is not None and "ck" in layer_cache:
             k, v = layer_cache["ck"], layer_cache["cv"]
         else:
@@ -334,7 +338,7 @@ class DecoderLayer(nn.Module):
             if layer_cache is not None:  # read at every step: contiguous once (a matmul would copy each time)
                 k, v = k.contiguous(), v.contiguous()
                 layer_cache["ck"], layer_cache["cv"] = k, v
-        return a.attend(q, k, v, key_mask)
+        return a.attend(q, k, v, key_mask).view(h.shape)
 
     def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None,
                 pad_mask: Optional[torch.Tensor] = None):
@@ -349,14 +353,46 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------------------
 # encoder / decoder outputs and cache
 # ---------------------------------------------------------------------------------------
+def beam_blocks(index: torch.Tensor, beams: int) -> Optional[torch.Tensor]:
+    """For ``index`` over decoder rows that form blocks of ``beams`` rows per sentence: the old block
+    (sentence) each new block reads from, if every new block reads rows of a single old block (beam
+    reordering, dropping finished sentences); None otherwise."""
+    if index.dim() != 1 or index.numel() % beams:
+        return None
+    blocks = torch.div(index.view(-1, beams), beams, rounding_mode="floor")
+    first = blocks[:, 0]
+    return first if bool((blocks == first[:, None]).all()) else None
+
+
 @dataclass
 class EncoderOut:
+    """The encoder states of ``out.size(0)`` sentences; each serves ``beams`` consecutive decoder rows
+    (1 unless made by ``expand_beams``)."""
+
     out: torch.Tensor  # [B, S, D]
     pad_mask: torch.Tensor  # [B, S] bool, True = pad
+    beams: int = 1
+
+    def expand_beams(self, beams: int) -> "EncoderOut":
+        """Serve ``beams`` consecutive decoder rows (a sentence's beams) from every row, without copying:
+        the same as ``index_select(arange(B).repeat_interleave(beams))`` up to round-off, but the decoder
+        projects the cross-attention K/V once per sentence and attends with all its beams' queries in one
+        matmul (a quarter of the memory traffic at beam 4, benchmarks/bench_generate.py)."""
+        if self.beams != 1:
+            raise ScaletrainError(f"EncoderOut.expand_beams: already expanded ({self.beams} beams)")
+        return EncoderOut(self.out, self.pad_mask, beams)
 
     def index_select(self, index: torch.Tensor) -> "EncoderOut":
-        """Reorder / expand the batch dimension (beam search: ``index = arange(B).repeat_interleave(k)``)."""
-        return EncoderOut(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
+        """Reorder / expand / shrink the decoder rows (beam search: ``index = arange(B).repeat_interleave(k)``).
+        After ``expand_beams`` an index that keeps the sentence blocks together selects sentences; any other
+        index gives every decoder row its own encoder row again."""
+        if self.beams == 1:
+            return EncoderOut(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
+        blocks = beam_blocks(index, self.beams)
+        if blocks is None:
+            rows = torch.div(index, self.beams, rounding_mode="floor")
+            return EncoderOut(self.out.index_select(0, rows), self.pad_mask.index_select(0, rows))
+        return EncoderOut(self.out.index_select(0, blocks), self.pad_mask.index_select(0, blocks), self.beams)
 
 
 _KV_START = 32  # first capacity (positions) of a self-attention K/V buffer; doubled when full
@@ -416,16 +452,29 @@ def kv_index_select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return buf[:, :, :n]
 
 
+ENCODER_SIDE_KEYS = frozenset({"ck", "cv"})  # DecoderCache entries computed from the encoder output
+
+
 @dataclass
 class DecoderCache:
-    """Per decoder layer: self-attention K/V so far ("k", "v": [B, H, t, Dh], views of buffers with
+    """Per decoder layer: self-attention K/V so far ("k", "v": [N, H, t, Dh], views of buffers with
     room to grow, see ``kv_append``) and the cross-attention K/V of the encoder output ("ck", "cv":
-    [B, H, S, Dh], computed once at step 0)."""
+    [N / beams, H, S, Dh], computed once at step 0; one per sentence after ``EncoderOut.expand_beams``)."""
 
     layers: list
+    beams: int = 1
 
     def index_select(self, index: torch.Tensor) -> "DecoderCache":
-        return DecoderCache([{n: kv_index_select(t, index) for n, t in layer.items()} for layer in self.layers])
+        """Reorder / shrink the decoder rows; the encoder side follows ``EncoderOut.index_select``."""
+        enc_index, beams = index, 1
+        if self.beams > 1:
+            blocks = beam_blocks(index, self.beams)
+            enc_index, beams = ((torch.div(index, self.beams, rounding_mode="floor"), 1) if blocks is None
+                                else (blocks, self.beams))
+        return DecoderCache([
+            {n: kv_index_select(t, enc_index if n in ENCODER_SIDE_KEYS else index) for n, t in layer.items()}
+            for layer in self.layers
+        ], beams)
 
 
 # ---------------------------------------------------------------------------------------
@@ -534,7 +583,11 @@ class Transformer(nn.Module):
         if cache is None:
             if step != 0:
                 raise ScaletrainError(f"decode_step: cache=None is only valid at step 0 (got step {step})")
-            cache = DecoderCache([{} for _ in self.decoder_layers])
+            cache = DecoderCache([{} for _ in self.decoder_layers], enc.beams)
+        if cache.beams != enc.beams or tokens.shape[0] != enc.out.shape[0] * enc.beams:
+            raise ScaletrainError(
+                f"decode_step: {tokens.shape[0]} decoder rows for {enc.out.shape[0]} encoder rows x {enc.beams} "
+                f"beams (cache: {cache.beams}); reorder the encoder output and the cache with the same index")
         x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
         key_mask = (~enc.pad_mask)[:, None, None, :]
         pad_mask = tokens.eq(PAD)[:, None]

@@ -10,6 +10,7 @@ from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, available_models, build_model
 from scaletrain.models.config import ConvConfig, LobefConfig
+from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import EOS, ByteVocab
 
 VOCAB = ByteVocab(["en", "de", "th"])
@@ -134,3 +135,32 @@ def test_kv_cache_grows_in_place_and_reorder_keeps_the_room():
     plain = torch.randn(3, 2, 5, 4)  # a tensor that is not our buffer is never written past its end
     grown = kv_append(plain, steps[0])
     assert grown.data_ptr() != plain.data_ptr() and torch.equal(grown[:, :, :5], plain)
+
+
+@pytest.mark.parametrize("arch", available_models())
+def test_shared_encoder_rows_for_beams_equal_copied_rows(arch):
+    """``EncoderOut.expand_beams`` (one encoder row and one cross-attention K/V per sentence, read by all
+    its beams) decodes like copying the row for every beam, through reorders that keep the sentence blocks
+    (beam moves, a dropped sentence) and one that does not (every row gets its own encoder row again)."""
+    model = tiny(arch)
+    batch = collate(EXAMPLES[:3])
+    K = 2
+    enc = model.encode(batch.src)
+    shared, copied = enc.expand_beams(K), enc.index_select(torch.arange(3).repeat_interleave(K))
+    tok = batch.tgt_in[:, 0].repeat_interleave(K)
+    c_sh = c_cp = None
+    reorders = {2: [1, 1, 2, 3, 5, 4], 3: [2, 3, 4, 5], 4: [3, 0, 2, 1]}  # beams; drop sentence 0; mixed
+    with torch.no_grad():
+        for t in range(6):
+            a, c_sh = model.decode_step(tok, t, shared, c_sh)
+            b, c_cp = model.decode_step(tok, t, copied, c_cp)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            if t in reorders:
+                idx = torch.tensor(reorders[t])
+                shared, c_sh = shared.index_select(idx), model.reorder_cache(c_sh, idx)
+                copied, c_cp = copied.index_select(idx), model.reorder_cache(c_cp, idx)
+                tok = tok[idx]
+            tok = (tok + 1) % 200 + 3
+    assert shared.beams == 1 and c_sh.beams == 1 and shared.out.shape[0] == 4  # the mixed reorder undid sharing
+    with pytest.raises(ScaletrainError, match="decoder rows"):
+        model.decode_step(tok[:3], 0, enc.expand_beams(K), None)
