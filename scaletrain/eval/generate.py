@@ -299,33 +299,6 @@ def _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset=LANG_OF
 # ----------------------------------------------------------------------------------------------
 # beam search
 
-def _reorder_beams(model, cache, flat: torch.Tensor, shrunk: bool):
-    """``model.reorder_cache(cache, flat)`` where ``flat`` maps every new row to an old row of the SAME
-    sentence (beam reordering). For the core Transformer's cache two copies are saved (together about a
-    quarter of the decoding time at beam 4 on CPU, see benchmarks/bench_generate.py): the encoder-side K/V
-    are left as they are, and when at most half of the rows move (usually most beams keep their row) only
-    the moved rows of the self-attention K/V are rewritten, in place. After rows were dropped (``shrunk``)
-    or for any other cache type, ``model.reorder_cache`` does the whole reorder."""
-    from scaletrain.models.transformer import ENCODER_SIDE_KEYS, DecoderCache, kv_index_select
-
-    if shrunk or type(cache) is not DecoderCache:
-        return model.reorder_cache(cache, flat)
-    moved = (flat != torch.arange(flat.numel(), device=flat.device)).nonzero().squeeze(1)
-    if moved.numel() * 2 > flat.numel():
-        return DecoderCache([
-            {n: (t if n in ENCODER_SIDE_KEYS else kv_index_select(t, flat)) for n, t in layer.items()}
-            for layer in cache.layers
-        ], cache.beams)
-    # most beams keep their row: copy only the rows that change, in place (the self-attention K/V are
-    # fresh tensors of this cache, written by the decoder's last step and referenced nowhere else)
-    src = flat.index_select(0, moved)
-    for layer in cache.layers:
-        for n, t in layer.items():
-            if n not in ENCODER_SIDE_KEYS:
-                t.index_copy_(0, moved, t.index_select(0, src))
-    return cache
-
-
 def _expand_beams(enc, rows: torch.Tensor, K: int):
     """Every encoder row for the ``K`` beams of its sentence: the core Transformer's ``EncoderOut`` shares
     one row per sentence (``expand_beams``); any other encoder output is copied ``K`` times."""
@@ -422,7 +395,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
             new_scores, new_tok, src_rows = new_scores[keep], new_tok[keep], src_rows[keep]
             enc = enc.index_select(keep.repeat_interleave(K) * K + torch.arange(K, device=device).repeat(keep.numel()))
         flat = src_rows.reshape(-1)
-        cache = _reorder_beams(model, cache, flat, shrunk=bool(done_now.any()))
+        cache = model.reorder_cache(cache, flat)
         hist = torch.cat([hist.index_select(0, flat), new_tok.reshape(-1, 1)], dim=1)
         scores = new_scores
         tokens = new_tok.reshape(-1)

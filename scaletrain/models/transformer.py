@@ -315,14 +315,36 @@ class DecoderLayer(nn.Module):
     def residual_dropout(self) -> float:
         return self.self_res.dropout
 
-    def _self(self, h, layer_cache):
+    def _self(self, h, layer_cache, beam_mask=None):
         a = self.self_attn
+        if beam_mask is not None:
+            return self._self_beams(h, layer_cache, beam_mask)
         q, k, v = a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h))
         if layer_cache is None:  # full sequence, causal
             return a.attend(q, k, v, is_causal=True)
         k, v = kv_append(layer_cache.get("k"), k), kv_append(layer_cache.get("v"), v)
         layer_cache["k"], layer_cache["v"] = k, v
         return a.attend(q, k, v)  # one query at the newest position sees every cached key
+
+    def _self_beams(self, h, layer_cache, beam_mask):
+        """One decoder step of the beams of each sentence together (``DecoderCache`` with beams > 1): the
+        K/V of every beam are kept per sentence in the slot of the beam that computed them ([B, H, t,
+        beams * Dh]) and each beam's query sees, through ``beam_mask`` [B, 1, beams, t * beams], the slots
+        of its own history, so reordering the beams moves no K/V (``DecoderCache.index_select``)."""
+        a = self.self_attn
+        N, _, D = h.shape
+        K = beam_mask.size(2)
+        B, H, Dh = N // K, a.n_heads, a.head_dim
+
+        def per_sentence(x):  # [N, 1, D] -> [B, H, 1, beams, Dh]
+            return x.view(B, K, H, Dh).transpose(1, 2).unsqueeze(2)
+
+        k = kv_append(layer_cache.get("k"), per_sentence(a.k_proj(h)))
+        v = kv_append(layer_cache.get("v"), per_sentence(a.v_proj(h)))
+        layer_cache["k"], layer_cache["v"] = k, v
+        t = k.size(2)
+        q = a.q_proj(h).view(B, K, H, Dh).transpose(1, 2)  # [B, H, beams, Dh]
+        return a.attend(q, k.view(B, H, t * K, Dh), v.view(B, H, t * K, Dh), beam_mask).view(N, 1, D)
 
     def _cross(self, h, enc: "EncoderOut", key_mask, layer_cache):
         a = self.cross_attn
@@ -341,9 +363,10 @@ class DecoderLayer(nn.Module):
         return a.attend(q, k, v, key_mask).view(h.shape)
 
     def forward(self, x, enc: "EncoderOut", key_mask, layer_cache: Optional[dict] = None,
-                pad_mask: Optional[torch.Tensor] = None):
-        """``pad_mask`` [B, T] (True = pad decoder input) is handed to a feed-forward block that takes it."""
-        x = self.self_res(x, lambda h: self._self(h, layer_cache))
+                pad_mask: Optional[torch.Tensor] = None, beam_mask: Optional[torch.Tensor] = None):
+        """``pad_mask`` [B, T] (True = pad decoder input) is handed to a feed-forward block that takes it;
+        ``beam_mask``: incremental decoding of beams grouped per sentence (``_self_beams``)."""
+        x = self.self_res(x, lambda h: self._self(h, layer_cache, beam_mask))
         x = self.cross_res(x, lambda h: self._cross(h, enc, key_mask, layer_cache))
         if pad_mask is not None and getattr(self.ffn, "takes_pad_mask", False):  # MoE: pads are not routed
             return self.ffn_res(x, lambda h: self.ffn(h, pad_mask))
@@ -417,7 +440,8 @@ def _kv_full(t: torch.Tensor) -> torch.Tensor:
 
 
 def kv_append(cached: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
-    """Self-attention K or V cache ``cached`` [B, H, n, Dh] (or None) extended by ``new`` [B, H, m, Dh].
+    """Self-attention K or V cache ``cached`` [B, H, n, Dh] (or None) extended by ``new`` [B, H, m, Dh]
+    (or [B, H, m, beams, Dh], kept as [B, H, n, beams * Dh]).
 
     The cache is a view of a buffer with room along the position axis, written in place; the buffer is
     reallocated with doubled capacity when full. ``torch.cat`` per step instead copies the whole cache
@@ -425,8 +449,9 @@ def kv_append(cached: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor
     benchmarks/bench_generate.py). Only the positions ``< n`` of a cache are ever read, so a later
     append may overwrite the tail of a buffer that an older, shorter view still points at; caches are
     never forked (beam reordering copies rows, ``kv_index_select``)."""
+    tail = new.shape[3:]
     if cached is None:
-        cached = new.new_empty(new.shape[:2] + (0, new.size(3)))
+        cached = new.new_empty(new.shape[:2] + (0, math.prod(tail)))
     B, H, n, Dh = cached.shape
     m = new.size(2)
     if n and n + m <= _kv_capacity(cached) and cached.dtype == new.dtype:
@@ -434,7 +459,7 @@ def kv_append(cached: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor
     else:
         buf = new.new_empty(B, H, max(_KV_START, 2 * (n + m)), Dh)
         buf[:, :, :n].copy_(cached)
-    buf[:, :, n:n + m].copy_(new)
+    buf[:, :, n:n + m].unflatten(3, tail).copy_(new)
     return buf[:, :, :n + m]
 
 
@@ -459,22 +484,60 @@ ENCODER_SIDE_KEYS = frozenset({"ck", "cv"})  # DecoderCache entries computed fro
 class DecoderCache:
     """Per decoder layer: self-attention K/V so far ("k", "v": [N, H, t, Dh], views of buffers with
     room to grow, see ``kv_append``) and the cross-attention K/V of the encoder output ("ck", "cv":
-    [N / beams, H, S, Dh], computed once at step 0; one per sentence after ``EncoderOut.expand_beams``)."""
+    [N, H, S, Dh], computed once at step 0).
+
+    With ``beams`` > 1 (decoding an ``EncoderOut.expand_beams`` output) the rows are the beams of
+    N / beams sentences: "ck"/"cv" hold one row per sentence, "k"/"v" are [N / beams, H, t, beams * Dh]
+    (every beam's K/V in the slot of the beam that computed it) and ``slots`` [N, t] says, per beam and
+    position, which slot of its sentence holds its history."""
 
     layers: list
     beams: int = 1
+    slots: Optional[torch.Tensor] = None
+
+    def beam_mask(self) -> torch.Tensor:
+        """[N / beams, 1, beams, t * beams] bool: beam j of a sentence may attend to slot b at position p."""
+        N, t = self.slots.shape
+        K = self.beams
+        return (self.slots.view(N // K, K, t, 1) == torch.arange(K, device=self.slots.device)).view(N // K, 1, K, t * K)
+
+    def append_slots(self, n_rows: int, device) -> None:
+        """The K/V of the step being decoded go to each beam's own slot."""
+        own = (torch.arange(n_rows, device=device) % self.beams)[:, None]
+        self.slots = own if self.slots is None else torch.cat([self.slots, own], dim=1)
 
     def index_select(self, index: torch.Tensor) -> "DecoderCache":
-        """Reorder / shrink the decoder rows; the encoder side follows ``EncoderOut.index_select``."""
-        enc_index, beams = index, 1
-        if self.beams > 1:
-            blocks = beam_blocks(index, self.beams)
-            enc_index, beams = ((torch.div(index, self.beams, rounding_mode="floor"), 1) if blocks is None
-                                else (blocks, self.beams))
-        return DecoderCache([
-            {n: kv_index_select(t, enc_index if n in ENCODER_SIDE_KEYS else index) for n, t in layer.items()}
-            for layer in self.layers
-        ], beams)
+        """Reorder / shrink the decoder rows; the encoder side follows ``EncoderOut.index_select``. Grouped
+        by sentence, a reorder that keeps the sentence blocks (beam search) only gathers ``slots`` and, if
+        sentences are dropped, their K/V; any other index first gives every row its own K/V again."""
+        if self.beams == 1:
+            return DecoderCache([{n: kv_index_select(t, index) for n, t in layer.items()} for layer in self.layers])
+        blocks = beam_blocks(index, self.beams)
+        if blocks is None:
+            return self._per_row().index_select(index)
+        n_sent = self.slots.shape[0] // self.beams
+        same = blocks.numel() == n_sent and bool((blocks == torch.arange(n_sent, device=blocks.device)).all())
+        layers = self.layers if same else [{n: kv_index_select(t, blocks) for n, t in layer.items()}
+                                           for layer in self.layers]
+        return DecoderCache([dict(layer) for layer in layers], self.beams, self.slots.index_select(0, index))
+
+    def _per_row(self) -> "DecoderCache":
+        """The same cache with one K/V row per decoder row (beams = 1)."""
+        N, t = self.slots.shape
+        K = self.beams
+        sent = torch.div(torch.arange(N, device=self.slots.device), K, rounding_mode="floor")
+        pos = torch.arange(t, device=self.slots.device)
+        layers = []
+        for layer in self.layers:
+            row = {}
+            for n, x in layer.items():
+                if n in ENCODER_SIDE_KEYS:
+                    row[n] = x.index_select(0, sent)
+                else:  # [B, H, t, K * Dh] -> [N, H, t, Dh]: row r, position p from slot slots[r, p]
+                    x5 = x.unflatten(3, (K, x.size(3) // K))
+                    row[n] = x5[sent[:, None], :, pos[None, :], self.slots].permute(0, 2, 1, 3).contiguous()
+            layers.append(row)
+        return DecoderCache(layers)
 
 
 # ---------------------------------------------------------------------------------------
@@ -591,8 +654,12 @@ class Transformer(nn.Module):
         x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
         key_mask = (~enc.pad_mask)[:, None, None, :]
         pad_mask = tokens.eq(PAD)[:, None]
+        beam_mask = None
+        if cache.beams > 1:
+            cache.append_slots(tokens.shape[0], tokens.device)
+            beam_mask = cache.beam_mask()
         for layer, lc in zip(self.decoder_layers, cache.layers):
-            x = layer(x, enc, key_mask, lc, pad_mask)
+            x = layer(x, enc, key_mask, lc, pad_mask, beam_mask)
         return self._decoder_output(x)[:, 0], cache
 
     def routing_stats(self, reset: bool = True) -> dict:

@@ -88,31 +88,6 @@ def test_real_beam_with_rows_finishing_at_different_steps(beam):
         assert hyps[i].score == pytest.approx(ref, abs=1e-4)
 
 
-def test_beam_reorder_fast_path_equals_model_reorder():
-    model = tiny("transformer")
-    batch = collate(EXAMPLES[:3])
-    K = 3
-    enc = model.encode(batch.src).index_select(torch.arange(3).repeat_interleave(K))
-    cache = None
-    tok = batch.tgt_in[:, 0].repeat_interleave(K)
-    with torch.no_grad():
-        for t in range(3):
-            _, cache = model.decode_step(tok, t, enc, cache)
-            tok = tok.roll(1)
-    for flat in ([2, 2, 0, 3, 5, 4, 6, 8, 7],  # most rows move: copied reorder
-                 [0, 1, 1, 3, 4, 5, 6, 6, 8],  # few rows move: rows rewritten in place
-                 list(range(9))):  # nothing moves
-        flat = torch.tensor(flat)
-        clone = type(cache)([{n: t.clone() for n, t in layer.items()} for layer in cache.layers])
-        slow = model.reorder_cache(clone, flat)
-        fast = G._reorder_beams(model, cache, flat, shrunk=False)
-        for a, b in zip(fast.layers, slow.layers):
-            assert a.keys() == b.keys() == {"k", "v", "ck", "cv"}
-            for n in a:
-                torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
-        cache = fast
-
-
 def test_kv_cache_grows_in_place_and_reorder_keeps_the_room():
     """The self-attention cache is written into a buffer with spare room (no copy of the whole cache per
     step); beam reordering keeps that room; the values are those of concatenation."""
