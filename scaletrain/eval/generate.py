@@ -299,13 +299,14 @@ def _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset=LANG_OF
 # ----------------------------------------------------------------------------------------------
 # beam search
 
-def _expand_beams(enc, rows: torch.Tensor, K: int):
+def _expand_beams(enc, rows: torch.Tensor, K: int, max_steps: int):
     """Every encoder row for the ``K`` beams of its sentence: the core Transformer's ``EncoderOut`` shares
-    one row per sentence (``expand_beams``); any other encoder output is copied ``K`` times."""
+    one row per sentence (``expand_beams``, which also sizes the K/V cache for ``max_steps`` decoder
+    positions); any other encoder output is copied ``K`` times."""
     from scaletrain.models.transformer import EncoderOut
 
     if type(enc) is EncoderOut and enc.beams == 1:
-        return enc.expand_beams(K)
+        return enc.expand_beams(K, max_steps)
     return enc.index_select(rows.repeat_interleave(K))
 
 
@@ -365,7 +366,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
     B = src.shape[0]
     K = beam
     device = src.device
-    enc = _expand_beams(model.encode(src), torch.arange(B, device=device), K)
+    enc = _expand_beams(model.encode(src), torch.arange(B, device=device), K, int(max_lens.max()) + 1)
     tokens = tgt_tags.repeat_interleave(K)  # [B*K]
     # only the first beam of each sentence is live at step 0, so the K beams do not start identical
     scores = torch.full((B, K), -math.inf, dtype=torch.float32, device=device)

@@ -251,7 +251,10 @@ class FeedForward(nn.Module):
         self.kernel_mode = kernel_mode
 
     def forward(self, x):
-        h = kernels.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training, self.kernel_mode)
+        h = self.fc1(x)
+        # without autograd, ReLU in place: no second [rows, ffn] tensor per layer and decoding step
+        h = torch.relu_(h) if self.act is F.relu and not torch.is_grad_enabled() else self.act(h)
+        h = kernels.dropout(h, self.activation_dropout, self.training, self.kernel_mode)
         return self.fc2(h)
 
 
@@ -395,15 +398,18 @@ class EncoderOut:
     out: torch.Tensor  # [B, S, D]
     pad_mask: torch.Tensor  # [B, S] bool, True = pad
     beams: int = 1
+    max_steps: int = 0  # decoder positions the search may run (0 = unknown)
 
-    def expand_beams(self, beams: int) -> "EncoderOut":
+    def expand_beams(self, beams: int, max_steps: int = 0) -> "EncoderOut":
         """Serve ``beams`` consecutive decoder rows (a sentence's beams) from every row, without copying:
         the same as ``index_select(arange(B).repeat_interleave(beams))`` up to round-off, but the decoder
         projects the cross-attention K/V once per sentence and attends with all its beams' queries in one
-        matmul (a quarter of the memory traffic at beam 4, benchmarks/bench_generate.py)."""
+        matmul (a quarter of the memory traffic at beam 4, benchmarks/bench_generate.py). ``max_steps``
+        (the most decoder positions the search runs) sizes the self-attention K/V buffers once, up to
+        ``KV_PRESIZE_MAX`` positions, instead of growing them (a copy and fresh pages each time)."""
         if self.beams != 1:
             raise ScaletrainError(f"EncoderOut.expand_beams: already expanded ({self.beams} beams)")
-        return EncoderOut(self.out, self.pad_mask, beams)
+        return EncoderOut(self.out, self.pad_mask, beams, max_steps)
 
     def index_select(self, index: torch.Tensor) -> "EncoderOut":
         """Reorder / expand / shrink the decoder rows (beam search: ``index = arange(B).repeat_interleave(k)``).
@@ -415,10 +421,12 @@ class EncoderOut:
         if blocks is None:
             rows = torch.div(index, self.beams, rounding_mode="floor")
             return EncoderOut(self.out.index_select(0, rows), self.pad_mask.index_select(0, rows))
-        return EncoderOut(self.out.index_select(0, blocks), self.pad_mask.index_select(0, blocks), self.beams)
+        return EncoderOut(self.out.index_select(0, blocks), self.pad_mask.index_select(0, blocks), self.beams,
+                          self.max_steps)
 
 
 _KV_START = 32  # first capacity (positions) of a self-attention K/V buffer; doubled when full
+KV_PRESIZE_MAX = 256  # most positions a buffer is given up front (EncoderOut.max_steps); untouched pages are free
 
 
 def _kv_capacity(t: torch.Tensor) -> int:
@@ -454,7 +462,7 @@ def kv_append(cached: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor
         cached = new.new_empty(new.shape[:2] + (0, math.prod(tail)))
     B, H, n, Dh = cached.shape
     m = new.size(2)
-    if n and n + m <= _kv_capacity(cached) and cached.dtype == new.dtype:
+    if n + m <= _kv_capacity(cached) and cached.dtype == new.dtype:
         buf = _kv_full(cached)
     else:
         buf = new.new_empty(B, H, max(_KV_START, 2 * (n + m)), Dh)
@@ -643,15 +651,15 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, step: int, enc: EncoderOut, cache: Optional[DecoderCache] = None
     ) -> tuple[torch.Tensor, DecoderCache]:
         """Feed the decoder input at position ``step`` (step 0 = target tag); logits [B, V] for the next token."""
+        x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
         if cache is None:
             if step != 0:
                 raise ScaletrainError(f"decode_step: cache=None is only valid at step 0 (got step {step})")
-            cache = DecoderCache([{} for _ in self.decoder_layers], enc.beams)
+            cache = self._new_cache(enc, x)
         if cache.beams != enc.beams or tokens.shape[0] != enc.out.shape[0] * enc.beams:
             raise ScaletrainError(
                 f"decode_step: {tokens.shape[0]} decoder rows for {enc.out.shape[0]} encoder rows x {enc.beams} "
                 f"beams (cache: {cache.beams}); reorder the encoder output and the cache with the same index")
-        x = self._decoder_input(tokens[:, None], self.positions.at(step, tokens.shape[0]))
         key_mask = (~enc.pad_mask)[:, None, None, :]
         pad_mask = tokens.eq(PAD)[:, None]
         beam_mask = None
@@ -661,6 +669,19 @@ class Transformer(nn.Module):
         for layer, lc in zip(self.decoder_layers, cache.layers):
             x = layer(x, enc, key_mask, lc, pad_mask, beam_mask)
         return self._decoder_output(x)[:, 0], cache
+
+    def _new_cache(self, enc: EncoderOut, x: torch.Tensor) -> DecoderCache:
+        """An empty cache; for beams grouped per sentence with a known ``max_steps``, the self-attention
+        K/V buffers are allocated once with room for that many positions (up to ``KV_PRESIZE_MAX``)."""
+        cache = DecoderCache([{} for _ in self.decoder_layers], enc.beams)
+        cap = min(enc.max_steps, KV_PRESIZE_MAX)
+        if enc.beams > 1 and cap > _KV_START:
+            for layer, lc in zip(self.decoder_layers, cache.layers):
+                a = layer.self_attn
+                for n in ("k", "v"):
+                    buf = x.new_empty(enc.out.shape[0], a.n_heads, cap, enc.beams * a.head_dim)
+                    lc[n] = buf[:, :, :0]
+        return cache
 
     def routing_stats(self, reset: bool = True) -> dict:
         """Routing statistics of every plug-in that keeps them (e.g. MoCE), keyed by module name.

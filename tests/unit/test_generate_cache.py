@@ -114,14 +114,17 @@ def test_kv_cache_grows_in_place_and_reorder_keeps_the_room():
 
 @pytest.mark.parametrize("arch", available_models())
 def test_shared_encoder_rows_for_beams_equal_copied_rows(arch):
+    from scaletrain.models.transformer import _kv_capacity
+
     """``EncoderOut.expand_beams`` (one encoder row and one cross-attention K/V per sentence, read by all
-    its beams) decodes like copying the row for every beam, through reorders that keep the sentence blocks
-    (beam moves, a dropped sentence) and one that does not (every row gets its own encoder row again)."""
+    its beams; self-attention K/V per sentence in per-beam slots) decodes like copying the row for every
+    beam, through reorders that keep the sentence blocks (beam moves, a dropped sentence) and one that does
+    not (every row gets its own encoder row and K/V again)."""
     model = tiny(arch)
     batch = collate(EXAMPLES[:3])
     K = 2
     enc = model.encode(batch.src)
-    shared, copied = enc.expand_beams(K), enc.index_select(torch.arange(3).repeat_interleave(K))
+    shared, copied = enc.expand_beams(K, 40), enc.index_select(torch.arange(3).repeat_interleave(K))
     tok = batch.tgt_in[:, 0].repeat_interleave(K)
     c_sh = c_cp = None
     reorders = {2: [1, 1, 2, 3, 5, 4], 3: [2, 3, 4, 5], 4: [3, 0, 2, 1]}  # beams; drop sentence 0; mixed
@@ -130,9 +133,14 @@ def test_shared_encoder_rows_for_beams_equal_copied_rows(arch):
             a, c_sh = model.decode_step(tok, t, shared, c_sh)
             b, c_cp = model.decode_step(tok, t, copied, c_cp)
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            if t == 0:  # the K/V buffers have room for max_steps = 40 positions from the start
+                assert _kv_capacity(c_sh.layers[0]["k"]) == 40 and c_sh.layers[0]["k"].shape[2] == 1
             if t in reorders:
                 idx = torch.tensor(reorders[t])
+                k_before = c_sh.layers[0]["k"]
                 shared, c_sh = shared.index_select(idx), model.reorder_cache(c_sh, idx)
+                if t == 2:  # beams moved within their sentences: no K/V copied, only the slot table
+                    assert c_sh.layers[0]["k"] is k_before and c_sh.slots.shape == (6, 3)
                 copied, c_cp = copied.index_select(idx), model.reorder_cache(c_cp, idx)
                 tok = tok[idx]
             tok = (tok + 1) % 200 + 3
