@@ -10,8 +10,9 @@ Two measured problems of stock PyTorch (2.13) on CPU, both in the training step 
   for a single query per row (incremental decoding: one new position attends to the cache), where the
   two matmuls take 0.65-0.8x the time of SDPA's flash kernel (fp32, [64, 4, 1, 64] x 8-48 keys, 1 thread),
   and for up to 8 queries without gradients (beam search: a sentence's beams attend to its encoder
-  states together, ``EncoderOut.expand_beams``), where they take 0.8x in the decoder (268 vs 343 us per
-  cross-attention call at [16, 4, 4, 64] x 42 keys, 1 thread, benchmarks/bench_generate.py's workload).
+  states and to their self-attention slots together, ``EncoderOut.expand_beams``), where they take 0.8x
+  in the decoder (268 vs 343 us per cross-attention call at [16, 4, 4, 64] x 42 keys, 1 thread,
+  benchmarks/bench_generate.py's workload).
 - ``F.dropout`` draws one Bernoulli sample per element (~15 ms per 1M elements on this CPU, 13% of
   the step). Drawing 64 random bits at a time and cutting them into 16-bit lanes gives the same
   distribution (keep probability quantised to 1/32768) about 3x faster.
