@@ -23,6 +23,12 @@ Plug-in points (variants use these instead of forking the core):
   A block with ``takes_pad_mask = True`` is called as ``ffn(h, pad_mask)`` (encoder: the source pads;
   decoder: the pad positions of the decoder input); a block
   that keeps a tensor in ``aux_loss`` during forward adds it to ``Transformer.last_aux_loss``.
+
+Incremental decoding (``decode_step`` / ``reorder_cache``): the self-attention K/V live in buffers with
+room to grow (``kv_append``). For beam search, ``EncoderOut.expand_beams`` groups the decoder rows by
+sentence: cross-attention K/V once per sentence, self-attention K/V in per-beam slots with a slot table
+(``DecoderCache.slots``), so a beam reorder moves no K/V. ``python benchmarks/bench_generate.py --reps 7
+--threads 1``: 1.47-1.54x Hugging Face ``generate()`` (was 1.21x); see ``scaletrain.eval.generate``.
 """
 from __future__ import annotations
 
