@@ -10,6 +10,7 @@ from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, available_models, build_model
 from scaletrain.models.config import ConvConfig, LobefConfig
+from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import EOS, ByteVocab
 
 VOCAB = ByteVocab(["en", "de", "th"])
@@ -87,31 +88,6 @@ def test_real_beam_with_rows_finishing_at_different_steps(beam):
         assert hyps[i].score == pytest.approx(ref, abs=1e-4)
 
 
-def test_beam_reorder_fast_path_equals_model_reorder():
-    model = tiny("transformer")
-    batch = collate(EXAMPLES[:3])
-    K = 3
-    enc = model.encode(batch.src).index_select(torch.arange(3).repeat_interleave(K))
-    cache = None
-    tok = batch.tgt_in[:, 0].repeat_interleave(K)
-    with torch.no_grad():
-        for t in range(3):
-            _, cache = model.decode_step(tok, t, enc, cache)
-            tok = tok.roll(1)
-    for flat in ([2, 2, 0, 3, 5, 4, 6, 8, 7],  # most rows move: copied reorder
-                 [0, 1, 1, 3, 4, 5, 6, 6, 8],  # few rows move: rows rewritten in place
-                 list(range(9))):  # nothing moves
-        flat = torch.tensor(flat)
-        clone = type(cache)([{n: t.clone() for n, t in layer.items()} for layer in cache.layers])
-        slow = model.reorder_cache(clone, flat)
-        fast = G._reorder_beams(model, cache, flat, shrunk=False)
-        for a, b in zip(fast.layers, slow.layers):
-            assert a.keys() == b.keys() == {"k", "v", "ck", "cv"}
-            for n in a:
-                torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
-        cache = fast
-
-
 def test_kv_cache_grows_in_place_and_reorder_keeps_the_room():
     """The self-attention cache is written into a buffer with spare room (no copy of the whole cache per
     step); beam reordering keeps that room; the values are those of concatenation."""
@@ -134,3 +110,40 @@ def test_kv_cache_grows_in_place_and_reorder_keeps_the_room():
     plain = torch.randn(3, 2, 5, 4)  # a tensor that is not our buffer is never written past its end
     grown = kv_append(plain, steps[0])
     assert grown.data_ptr() != plain.data_ptr() and torch.equal(grown[:, :, :5], plain)
+
+
+@pytest.mark.parametrize("arch", available_models())
+def test_shared_encoder_rows_for_beams_equal_copied_rows(arch):
+    from scaletrain.models.transformer import _kv_capacity
+
+    """``EncoderOut.expand_beams`` (one encoder row and one cross-attention K/V per sentence, read by all
+    its beams; self-attention K/V per sentence in per-beam slots) decodes like copying the row for every
+    beam, through reorders that keep the sentence blocks (beam moves, a dropped sentence) and one that does
+    not (every row gets its own encoder row and K/V again)."""
+    model = tiny(arch)
+    batch = collate(EXAMPLES[:3])
+    K = 2
+    enc = model.encode(batch.src)
+    shared, copied = enc.expand_beams(K, 40), enc.index_select(torch.arange(3).repeat_interleave(K))
+    tok = batch.tgt_in[:, 0].repeat_interleave(K)
+    c_sh = c_cp = None
+    reorders = {2: [1, 1, 2, 3, 5, 4], 3: [2, 3, 4, 5], 4: [3, 0, 2, 1]}  # beams; drop sentence 0; mixed
+    with torch.no_grad():
+        for t in range(6):
+            a, c_sh = model.decode_step(tok, t, shared, c_sh)
+            b, c_cp = model.decode_step(tok, t, copied, c_cp)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            if t == 0:  # the K/V buffers have room for max_steps = 40 positions from the start
+                assert _kv_capacity(c_sh.layers[0]["k"]) == 40 and c_sh.layers[0]["k"].shape[2] == 1
+            if t in reorders:
+                idx = torch.tensor(reorders[t])
+                k_before = c_sh.layers[0]["k"]
+                shared, c_sh = shared.index_select(idx), model.reorder_cache(c_sh, idx)
+                if t == 2:  # beams moved within their sentences: no K/V copied, only the slot table
+                    assert c_sh.layers[0]["k"] is k_before and c_sh.slots.shape == (6, 3)
+                copied, c_cp = copied.index_select(idx), model.reorder_cache(c_cp, idx)
+                tok = tok[idx]
+            tok = (tok + 1) % 200 + 3
+    assert shared.beams == 1 and c_sh.beams == 1 and shared.out.shape[0] == 4  # the mixed reorder undid sharing
+    with pytest.raises(ScaletrainError, match="decoder rows"):
+        model.decode_step(tok[:3], 0, enc.expand_beams(K), None)
