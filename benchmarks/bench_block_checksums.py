@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -24,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import torch  # noqa: E402
 
 from scaletrain.data.shards import MANIFEST, load_manifest  # noqa: E402
 from scaletrain.data.stream import ShardStream  # noqa: E402
@@ -51,21 +49,13 @@ def epoch_cpu(shard_dir: Path, max_tokens: int, max_bytes: int) -> tuple[float, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=100_000, help="pairs of the OPUS-layout corpus")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--workdir", default="/tmp/bench_block_checksums")
-    ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--max-bytes", type=int, default=800)
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    work = Path(a.workdir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    from bench_data_stream import make_opus
+    from bench_data_stream import corpus_args, fresh_opus
 
-    checked = make_opus(work, a.pairs)
-    unchecked = unchecked_copy(checked, work / "unchecked")
+    ap = corpus_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), 100_000, "/tmp/bench_block_checksums")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    checked = fresh_opus(a)
+    unchecked = unchecked_copy(checked, Path(a.workdir) / "unchecked")
     info = load_manifest(checked).split("train")
     total = sum(sh.bytes for sh in info.shards)
     blob = (checked / info.shards[0].name).read_bytes()

@@ -191,12 +191,26 @@ def make_opus(work: Path, n: int) -> Path:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=200_000, help="pairs of the OPUS-layout corpus")
-    ap.add_argument("--workdir", default="/tmp/bench_data_stream")
+def corpus_args(ap: argparse.ArgumentParser, pairs: int, workdir: str) -> argparse.ArgumentParser:
+    """The corpus options of the data benchmarks that stream a generated OPUS-layout corpus."""
+    ap.add_argument("--pairs", type=int, default=pairs, help="pairs of the OPUS-layout corpus")
+    ap.add_argument("--workdir", default=workdir)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--max-bytes", type=int, default=800)
+    return ap
+
+
+def fresh_opus(a: argparse.Namespace) -> Path:
+    """One torch thread, an emptied ``a.workdir``, and a corpus of ``a.pairs`` pairs sharded in it."""
+    torch.set_num_threads(1)
+    work = Path(a.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return make_opus(work, a.pairs)
+
+
+def main() -> None:
+    ap = corpus_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), 200_000, "/tmp/bench_data_stream")
     ap.add_argument("--naive-pairs", type=int, default=20_000)
     ap.add_argument("--buffer", type=int, default=64, help="stream buffer_size (blocks per rank per window)")
     a = ap.parse_args()

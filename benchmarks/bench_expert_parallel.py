@@ -105,19 +105,23 @@ def _worker(rank: int, world: int, port: int, a) -> None:
     dist.destroy_process_group()
 
 
+def run_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The batch and timing options both expert-parallel benchmarks take."""
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    return p
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    launch(_worker, a)
+    launch(_worker, run_args(p).parse_args())
 
 
 if __name__ == "__main__":

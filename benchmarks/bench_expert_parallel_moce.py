@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_expert_parallel import _Volume, launch  # noqa: E402  (byte counting, the 2-rank launch)
+from bench_expert_parallel import _Volume, launch, run_args  # noqa: E402  (byte counting, 2-rank launch, options)
 from scaletrain.models.convattn import MoCEExperts  # noqa: E402
 from scaletrain.parallel import ParallelContext, build_parallel_context  # noqa: E402
 
@@ -87,13 +87,7 @@ def main() -> None:
     p.add_argument("--delta", type=int, default=5)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    launch(_worker, a)
+    launch(_worker, run_args(p).parse_args())
 
 
 if __name__ == "__main__":

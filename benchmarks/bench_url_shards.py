@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -23,7 +22,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import torch  # noqa: E402
 
 from scaletrain.data.shards import load_manifest  # noqa: E402
 from scaletrain.data.sources import FetchOptions  # noqa: E402
@@ -39,22 +37,15 @@ def epoch(spec, fetch, world: int, max_tokens: int, max_bytes: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=50_000, help="pairs of the OPUS-layout corpus")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--world", type=int, default=2, help="ranks of the plan (rank 0 is streamed)")
-    ap.add_argument("--workdir", default="/tmp/bench_url_shards")
-    ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--max-bytes", type=int, default=800)
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    work = Path(a.workdir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    from bench_data_stream import make_opus
+    from bench_data_stream import corpus_args, fresh_opus
     from shard_server import ShardServer
 
-    d = make_opus(work, a.pairs)
+    ap = corpus_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), 50_000, "/tmp/bench_url_shards")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2, help="ranks of the plan (rank 0 is streamed)")
+    a = ap.parse_args()
+    work = Path(a.workdir)
+    d = fresh_opus(a)
     info = load_manifest(d).split("train")
     with ShardServer(d.parent) as srv:
         url = f"{srv.url}/{d.name}"

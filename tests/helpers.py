@@ -159,3 +159,39 @@ def run_ranks(fn, world: int = 2, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.start_processes(_rank_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="fork")
+
+
+def assert_resume_bitwise(runs: Path, prefix: str, n: int, world: int = 2) -> None:
+    """A run stopped after ``n`` updates and resumed (RUNS/PREFIX_half) equals the uninterrupted one
+    (RUNS/PREFIX_full): every rank's consolidated parameters bitwise, the second half's losses exactly."""
+    import json
+
+    import torch
+
+    for r in range(world):
+        a = torch.load(runs / f"{prefix}_full" / f"params_rank{r}.pt")
+        b = torch.load(runs / f"{prefix}_half" / f"params_rank{r}.pt")
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)
+    full = json.loads((runs / f"{prefix}_full" / "result_rank0.json").read_text())
+    res = json.loads((runs / f"{prefix}_half" / "result_rank0.json").read_text())
+    assert res["train_loss"] == full["train_loss"][n:]
+
+
+def start_slow_run(cmd: list[str], env: dict, log: Path, step_seconds: float) -> subprocess.Popen:
+    """``cmd`` (a launcher running tests/integration/slow_driver.py, each step ``step_seconds`` longer)
+    in a session of its own (so ``os.killpg`` ends all of it), stdout and stderr to ``log``."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, env={**env, "SLOW_STEP_SECONDS": str(step_seconds)}, cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_log(p: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:
+    """Until ``text`` appears in ``log``; fails with the log's tail if ``p`` exits or time runs out first."""
+    import time
+
+    deadline = time.time() + timeout
+    while text not in log.read_text():
+        assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)

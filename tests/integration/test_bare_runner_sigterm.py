@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
 import psutil
 import pytest
 
-from helpers import ROOT, deepspeed_cmd, launcher_env
+from helpers import deepspeed_cmd, launcher_env, start_slow_run, wait_for_log
 from test_nonfinite import TINY
 
 
@@ -33,14 +32,9 @@ def test_sigterm_to_the_runner_alone_checkpoints_and_the_ranks_exit(django_shard
     cmd = deepspeed_cmd(2, "tests/integration/slow_driver.py", str(out), "small", *TINY,
                         f"data.shards={django_shards}", f"train.out_dir={out}", "train.max_steps=100000",
                         "train.save_every=0")
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, env={**launcher_env(tmp_path), "SLOW_STEP_SECONDS": "0.2"}, cwd=ROOT, stdout=f,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    p = start_slow_run(cmd, launcher_env(tmp_path), log, 0.2)
     try:
-        deadline = time.time() + 240
-        while "step      3 |" not in log.read_text():
-            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_log(p, log, "step      3 |")
         pids = [int((out / f"pid_rank{r}").read_text()) for r in (0, 1)]
         p.send_signal(signal.SIGTERM)  # the runner only, not its process group
         t0 = time.time()

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import deepspeed_cmd, free_port, launcher_env, run
+from helpers import assert_resume_bitwise, deepspeed_cmd, free_port, launcher_env, run
 
 STEPS, N = 20, 3
 DRIVER = "tests/integration/ep_driver.py"
@@ -133,14 +133,7 @@ def test_moce_ep2_resume_is_bitwise_identical(runs, engine):
     shard = torch.load(ck / "expert_shard_ep001_of_002.pt")
     held = {k for k, v in shard["params"].items() if ".variant." in k and v.numel()}
     assert held == {f"encoder_layers.0.self_attn.variant.{w}.{j}" for w in ("weights", "biases") for j in (0, 1)}
-    for r in (0, 1):
-        a = torch.load(runs / f"{engine}_full" / f"params_rank{r}.pt")
-        b = torch.load(runs / f"{engine}_half" / f"params_rank{r}.pt")
-        for k in a:
-            assert torch.equal(a[k], b[k]), (r, k)
-    full = json.loads((runs / f"{engine}_full" / "result_rank0.json").read_text())
-    res = json.loads((runs / f"{engine}_half" / "result_rank0.json").read_text())
-    assert res["train_loss"] == full["train_loss"][N:]
+    assert_resume_bitwise(runs, engine, N)
 
 
 @pytest.mark.slow

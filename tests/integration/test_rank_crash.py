@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
 
-from helpers import DIST_DRIVER, ROOT, deepspeed_cmd, launcher_env, run
+from helpers import DIST_DRIVER, deepspeed_cmd, launcher_env, run, start_slow_run, wait_for_log
 from test_nonfinite import TINY
 
 STEPS = 10
@@ -30,14 +29,9 @@ def test_kill_9_of_a_rank_names_it_and_the_job_resumes_bit_identically(django_sh
     out.mkdir()
     log = tmp_path / "crash.log"
     cmd = deepspeed_cmd(2, "tests/integration/slow_driver.py", str(out), *common, f"train.out_dir={out}")
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, env={**env, "SLOW_STEP_SECONDS": "0.3"}, cwd=ROOT, stdout=f,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    p = start_slow_run(cmd, env, log, 0.3)
     try:
-        deadline = time.time() + 240
-        while "step      3 |" not in log.read_text():
-            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_log(p, log, "step      3 |")
         pid1 = int((out / "pid_rank1").read_text())
         os.kill(pid1, signal.SIGKILL)
         t0 = time.time()

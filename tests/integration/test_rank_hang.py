@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
-from helpers import ROOT, deepspeed_cmd, launcher_env
+from helpers import deepspeed_cmd, launcher_env, start_slow_run, wait_for_log
 from test_nonfinite import TINY
 
 TIMEOUT_MIN = 0.1  # 6 s
@@ -24,15 +23,10 @@ def test_a_hung_rank_makes_the_other_stop_after_the_collective_timeout(django_sh
     cmd = deepspeed_cmd(2, "tests/integration/slow_driver.py", str(out), "small", *TINY,
                         f"data.shards={django_shards}", f"train.out_dir={out}", "train.max_steps=100000",
                         "train.save_every=0", f"engine.collective_timeout_minutes={TIMEOUT_MIN}")
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, env={**launcher_env(tmp_path), "SLOW_STEP_SECONDS": "0.1"}, cwd=ROOT, stdout=f,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    p = start_slow_run(cmd, launcher_env(tmp_path), log, 0.1)
     pid1 = None
     try:
-        deadline = time.time() + 240
-        while "step      3 |" not in log.read_text():
-            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_log(p, log, "step      3 |")
         pid1 = int((out / "pid_rank1").read_text())
         os.kill(pid1, signal.SIGSTOP)
         t0 = time.time()
