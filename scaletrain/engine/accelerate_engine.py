@@ -111,8 +111,9 @@ class AccelerateEngine(Engine):
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
             model._ddp_params_and_buffers_to_ignore = list(self.ep.expert_names)
         stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
-        with native_moe(model, self.ep, stage if self.mode == "deepspeed" else 0), \
-                rank0_layout(model, self.ep.ctx.ep_size):  # owned experts alike while rank 0's are broadcast
+        native = stage if self.mode == "deepspeed" else 0  # ZeRO-1/2: DeepSpeed broadcasts experts per EDP group
+        with native_moe(model, self.ep, native), \
+                rank0_layout(model, self.ep.ctx.ep_size if native == 0 else None):  # owned experts alike
             optimizer = build_optimizer(model, self.cfg)
             scheduler = build_scheduler(optimizer, self.cfg)
             self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)

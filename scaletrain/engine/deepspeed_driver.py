@@ -75,8 +75,6 @@ def native_moe(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: int)
     if not ep.active or zero_stage not in (1, 2):
         yield
         return
-    if owned_params(model):  # refused at config time (ds_config._check_expert_parallel); also for direct callers
-        raise ScaletrainError(f"moe.moce_partition with moe.ep_size > 1 needs ZeRO-0, not ZeRO-{zero_stage}")
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.utils import groups
 
@@ -283,18 +281,24 @@ def consolidated_weights(ckpt: Path) -> dict[str, torch.Tensor] | None:
 
     Without partitioned fp32 weights: ``mp_rank_00_model_states.pt``. ZeRO-3 (parameters partitioned over
     ranks) and bf16/fp16 runs (fp32 master weights live in the optimizer shards): consolidated with
-    DeepSpeed's ``zero_to_fp32``. 16-bit weights without fp32 master shards are upcast.
+    DeepSpeed's ``zero_to_fp32``. 16-bit weights without fp32 master shards are upcast, and so are those
+    of a ZeRO-1/2 bf16 run with owned MoCE experts (their ranks' partitions differ in size, which
+    ``zero_to_fp32`` cannot lay out).
     """
     ms = ckpt / "mp_rank_00_model_states.pt"
     module: dict = {}
+    owned = False
     if ms.is_file():
         sd = safe_torch_load(ms)
         module = sd.get("module") or {}
         tensors = [v for v in module.values() if torch.is_tensor(v) and v.is_floating_point()]
-        complete = bool(tensors) and all(v.numel() > 0 for v in tensors)
+        # expert parallelism with owned experts (MoCE, moe.moce_partition): rank 0's module holds empty
+        # tensors for the other ranks' experts; the expert shard files fill them (merge_expert_shards)
+        owned = any(v.numel() == 0 for v in tensors) and any(ckpt.glob("expert_shard_ep*.pt"))
+        complete = bool(tensors) and (owned or all(v.numel() > 0 for v in tensors))
         if complete and all(v.dtype == torch.float32 for v in tensors):
             return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    if has_zero_shards(ckpt):
+    if has_zero_shards(ckpt) and not owned:  # (zero_to_fp32 cannot lay out ranks whose experts differ in size)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with weights_only_loads():  # zero_to_fp32 calls torch.load(..., weights_only=False)

@@ -45,9 +45,10 @@ class DeepSpeedEngine(Engine):
         ep = ExpertParallelGrads(model)
         experts = ep.snapshot() if ep.active else None
         stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
-        # ZeRO-1/2 under expert parallelism: DeepSpeed's MoE path; owned experts (MoCE) shaped alike on
-        # every rank while DeepSpeed broadcasts rank 0's parameters (each rank's come back after)
-        with native_moe(model, ep, stage), rank0_layout(model, ep.ctx.ep_size):
+        # ZeRO-1/2 under expert parallelism: DeepSpeed's MoE path (it broadcasts experts over their EDP
+        # group only); ZeRO-0: owned experts (MoCE) shaped alike on every rank while DeepSpeed broadcasts
+        # rank 0's parameters (each rank's come back after)
+        with native_moe(model, ep, stage), rank0_layout(model, ep.ctx.ep_size if stage == 0 else None):
             optimizer = build_optimizer(model, self.cfg)
             scheduler = build_scheduler(optimizer, self.cfg)
             engine, _, _, _ = self._ds.initialize(

@@ -109,13 +109,6 @@ def _check_expert_parallel(cfg, path: Path, stage: int, prec: str) -> None:
             f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16 ({path} has stage "
             f"{stage}, engine.precision is {prec}): use engine.ds_config=zero0.json engine.precision=fp32, or "
             "engine.backend=accelerate engine.accelerate=ddp (any precision)")
-    if ep > 1 and stage in (1, 2) and getattr(cfg.moe, "moce_partition", False):
-        # ZeRO-1/2 flatten each parameter group into buffers partitioned over the group's ranks; MoCE's conv
-        # experts are whole on their owner and empty on the other ranks (scaletrain.models.moce_ep)
-        raise ScaletrainError(
-            f"moe.moce_partition with moe.ep_size={ep} needs ZeRO-0 ({path} has stage {stage}): ZeRO-1/2 flatten "
-            "parameters that must have equal shapes on every rank, and each MoCE conv expert is whole on one rank; "
-            "use engine.ds_config=zero0.json engine.precision=fp32, or engine.backend=accelerate engine.accelerate=ddp")
     if ep > 1 and stage in (1, 2) and float(cfg.optim.clip_norm) > 0:
         # DeepSpeed's ZeRO-1/2 gradient norm averages each rank's expert norm over the expert-data-parallel
         # group instead of summing the squares over the expert-parallel group: ranks would clip differently.

@@ -97,12 +97,14 @@ def placeholders(params: dict[str, nn.Parameter], shapes: dict[str, tuple[int, .
             p.data = mine[n].to(device=p.device, dtype=p.dtype)
 
 
-def rank0_layout(model: nn.Module, ep_size: int):
+def rank0_layout(model: nn.Module, ep_size: int | None):
     """Context: every owned expert tensor shaped as on EP rank 0 (whole where rank 0 owns the expert,
     else empty), so that every rank's parameters have the same shapes while an engine broadcasts rank
     0's parameters or loads rank 0's module file; each rank's own tensors come back on exit (their
-    values: this rank's own, re-read from its expert shard by ``expert_checkpoint_load``)."""
-    owned = owned_params(model)
+    values: this rank's own, re-read from its expert shard by ``expert_checkpoint_load``). ``ep_size``
+    None: nothing changes (DeepSpeed's ZeRO-1/2 MoE path broadcasts experts within their
+    expert-data-parallel group, where the shapes agree, and flattens the parameters it is given)."""
+    owned = owned_params(model) if ep_size else {}
     return placeholders(owned, {n: _shape_at_rank0(n, p, {}, ep_size) for n, p in owned.items()})
 
 
