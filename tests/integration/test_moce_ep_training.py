@@ -6,18 +6,18 @@ has no weights), windows travel to their owner and back by all-to-all. Against `
 (every rank holds every expert), dropless, the same global batch per update (test_engine_replay's
 Replay), 20 updates:
 
-* MoCE alone and MoCE + MoE-FFN experts in one model, under DeepSpeed ZeRO-0 and (MoCE + MoE)
-  Accelerate DDP with gradient accumulation: the loss trajectory and the consolidated weights agree
-  within fp32 round-off;
+* MoCE alone and MoCE + MoE-FFN experts in one model, under DeepSpeed ZeRO-0, and (MoCE + MoE)
+  ZeRO-2 (DeepSpeed's MoE path) and Accelerate DDP with gradient accumulation: the loss trajectory and
+  the consolidated weights agree within fp32 round-off;
 * each rank holds only its conv experts (counted), and the reduced gradients of one fixed batch per
   rank equal those of ep_size=1;
 * checkpoints (MoCE + MoE, dropout on): stop after N updates and resume == 2N uninterrupted, bitwise,
-  under ZeRO-0 and DDP; a resume at another ep_size (1 -> 2, 2 -> 1) re-cuts the conv experts and
+  under ZeRO-0, ZeRO-2 and DDP; a resume at another ep_size (1 -> 2, 2 -> 1) re-cuts the conv experts and
   their Adam moments and follows the uninterrupted run; ``scaletrain export`` joins the shards into
   one file that a single-process model loads with the trained model's loss.
 
-With the engines' expert handling removed these fail: without ``rank0_layout`` DeepSpeed's start-up
-broadcast and the checkpoint loads see different shapes on the two ranks; with the expert gradients
+With the engines' expert handling removed these fail: without ``rank0_layout`` DeepSpeed's ZeRO-0
+start-up broadcast and the checkpoint loads see different shapes on the two ranks; with the expert gradients
 averaged over the world instead of reduced over the expert-data-parallel group the trajectories part.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ DRIVER = "tests/integration/ep_driver.py"
 MOCE = ["model.arch=moce", "model.conv.kernels=[0,1,3,5]", "moe.moce_partition=true", "engine.precision=fp32"]
 MOE = ["moe.num_experts=4", "moe.every=1", "moe.top_k=2", "moe.ffn_dim=32"]
 DS = ["engine.ds_config=zero0.json"]
+Z2 = ["engine.ds_config=zero2.json", "optim.clip_norm=0"]  # DeepSpeed's MoE path (its expert norm cannot clip)
 DDP = ["engine.backend=accelerate", "engine.accelerate=ddp"]
 DH = 16  # tiny_model: d_model 32, 2 heads
 CONV = {0: DH * DH * 5 + DH, 1: DH * DH * (3 + 1) + 2 * DH}  # conv expert parameters per rank, one MoCE layer
@@ -69,7 +70,8 @@ def runs(django_shards, tmp_path_factory) -> Path:
              for ep in (1, 2)]
     ref = [{"name": "ds_rs_ref", "overrides": [*MOCE, *MOE, *DS, f"train.max_steps={2 * N}"]}]
     ds = (grads + _equivalence_jobs("ds_moce", DS, []) + _equivalence_jobs("ds_both", DS, MOE) + _resume_jobs("ds", DS)
-          + ref + _reshard_jobs("ds", DS, 1, 2) + _reshard_jobs("ds", DS, 2, 1))
+          + ref + _reshard_jobs("ds", DS, 1, 2) + _reshard_jobs("ds", DS, 2, 1)
+          + _equivalence_jobs("z2_both", Z2, MOE) + _resume_jobs("z2", Z2))
     run(deepspeed_cmd(2, DRIVER, str(out), sh, json.dumps(ds)), env, timeout=900)
     acc = Path(sys.executable).with_name("accelerate")
     ddp = [_equivalence_jobs("ddp_both", DDP, MOE, accum=2)] + [[j] for j in _resume_jobs("ddp", DDP)]
@@ -91,7 +93,7 @@ def _rel(p: dict, q: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ds_moce", "ds_both", "ddp_both"])
+@pytest.mark.parametrize("name", ["ds_moce", "ds_both", "ddp_both", "z2_both"])
 def test_moce_ep2_trains_like_ep1(runs, name):
     """Measured: max relative loss difference 4e-8 (ds_moce); weights 6e-5."""
     a, b = _losses(runs, f"{name}_ep1"), _losses(runs, f"{name}_ep2")
@@ -127,7 +129,7 @@ def test_rank_holds_only_its_conv_experts_and_gets_the_ep1_gradients(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ds", "ddp"])
+@pytest.mark.parametrize("engine", ["ds", "ddp", "z2"])
 def test_moce_ep2_resume_is_bitwise_identical(runs, engine):
     ck = runs / f"{engine}_half" / "checkpoints" / f"step-{N:07d}"
     shard = torch.load(ck / "expert_shard_ep001_of_002.pt")
@@ -146,7 +148,7 @@ def test_moce_resume_with_another_ep_size_reshards(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ds", "ddp"])
+@pytest.mark.parametrize("engine", ["ds", "ddp", "z2"])
 def test_export_of_moce_ep2_checkpoint_loads_in_one_process(runs, engine, django_shards, tmp_path):
     from safetensors.torch import load_file
 
