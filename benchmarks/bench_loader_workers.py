@@ -1,25 +1,38 @@
-"""DataLoader workers vs the in-process stream, measured on training steps (not on the stream alone).
+"""DataLoader workers vs the in-process stream, measured on training steps over the SAME batches.
 
-One training process (the `small` recipe's model, d 256, 3+3 layers, fp32, AdamW) trains on the
-bundled shards with ``ShardLoader(num_workers=0)`` and with ``num_workers=W``, in interleaved rounds
-of ``--steps`` steps each (a fresh loader per round). Per round and
-loader: seconds per training step and the data wait per step (time spent in ``next()`` of the
-loader, i.e. what the step waited for its batch), after the first batch (start-up: workers forked, the
-first window read, is left out). The ratio in-process / workers of the step time
-is taken per round (the two runs are adjacent in time) and its median and range are printed.
+One training process (the `small` recipe's model, d 256, 3+3 layers, fp32, AdamW) trains from two
+live iterators, in interleaved rounds of ``--steps`` steps each:
 
-``--decode-ms X`` makes every full block read X ms slower (a stand-in for an expensive decode, e.g.
-a subword tokenizer or a remote read), to show what workers buy when the data side is slow: in
-process the step pays for it, with workers it is hidden as long as the workers keep up. On 2 cores
-the workers compete with the training threads for the same cores, which is the case `data.num_workers`
-defaults to 0 for.
+* ``workers``: ``ShardLoader(num_workers=W)``, forked once (as in a training run, which iterates one
+  loader for the whole run);
+* ``in-process``: the very same batch sequence made in this process (the loader's W virtual slots'
+  ``ShardStream`` s read chunk by chunk, as the workers do; checked equal to the workers' batches).
+  With ``--workers 1`` that is exactly ``ShardLoader(num_workers=0)``'s sequence.
 
-    python benchmarks/bench_loader_workers.py [--workers 2] [--steps 20] [--rounds 5] [--decode-ms 0]
+Both see identical batches in each round, so the per-round ratio of step times measures the loader and
+nothing else. (For W >= 2, ``ShardLoader(num_workers=0)`` yields a *different* sequence: one slot instead of W,
+other batch plans. Comparing 10-step rounds of the two sequences measured the batches: the old 0.93x was the
+workers' first 10 batches holding 7% more padded tokens than the in-process ones, with the same seed
+every round.)
+
+Per round and loader: seconds per step, the data wait per step (time in ``next()``), the training
+process's CPU per step and the workers' CPU per step (``/proc/<pid>/stat`` of the child processes).
+Start-up is reported apart: fork to first batch, and the first training step after the fork, which pays
+the copy-on-write of the trainer's memory (its minor page faults are printed).
+
+``--decode-ms X`` makes every full block read X ms slower (sleeps: a stand-in for an expensive decode on
+other cores, e.g. a subword tokenizer or a remote read). Blocks are read a window at a time, so use a
+small ``--buffer-size`` (blocks per slot and window; 2 gives a window every ~20 steps here) to see it:
+in process the step pays for it, workers read ahead and hide it.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_loader_workers.py [--workers 2] [--steps 20] [--rounds 5]
+        [--decode-ms 0] [--buffer-size 16]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -49,14 +62,37 @@ def slow_reads(ms: float) -> None:
     stream_mod.read_block = slow
 
 
-def run_round(model, opt, shards: str, workers: int, steps: int, max_tokens: int) -> tuple[float, float]:
-    """(seconds per step, data wait per step) over ``steps`` training steps with a fresh loader."""
-    loader = stream_mod.ShardLoader(shards, "train", num_workers=workers, max_tokens=max_tokens, max_bytes=160,
-                                    seed=len(os.sched_getaffinity(0)))
-    it = iter(loader)
-    next(it)  # start-up (workers forked, the first window read) is not part of the steady state
-    wait = 0.0
-    t0 = time.perf_counter()
+def same_batches_in_process(shards: str, workers: int, chunk: int, **kw):
+    """The batch sequence of ``ShardLoader(shards, num_workers=workers, chunk=chunk, **kw)`` made in this
+    process: virtual slot v is ``ShardStream(rank=v, world_size=workers)``; slots take turns by chunk."""
+    streams = [stream_mod.ShardStream(shards, "train", rank=v, world_size=workers, **kw) for v in range(workers)]
+    its = [iter(s) for s in streams]
+    while True:
+        for s, it in zip(streams, its):
+            while True:
+                yield next(it)
+                if s._batch % chunk == 0:
+                    break
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's live child processes (the DataLoader workers)."""
+    total, me, tick = 0.0, os.getpid(), os.sysconf("SC_CLK_TCK")
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(f[1]) == me:
+                total += (int(f[11]) + int(f[12])) / tick
+    return total
+
+
+def train_steps(model, opt, it, steps: int) -> dict:
+    """``steps`` training steps on batches from ``it``: wall, data wait, own CPU, workers' CPU, page faults."""
+    c0, k0, f0 = time.process_time(), children_cpu(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    wait, t0 = 0.0, time.perf_counter()
     for _ in range(steps):
         w0 = time.perf_counter()
         b = next(it)
@@ -66,9 +102,40 @@ def run_round(model, opt, shards: str, workers: int, steps: int, max_tokens: int
         (loss / ntok).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
-    del it  # shuts the workers down
-    return dt / steps, wait / steps
+    return {"step": (time.perf_counter() - t0) / steps, "wait": wait / steps,
+            "cpu": (time.process_time() - c0) / steps, "wcpu": (children_cpu() - k0) / steps,
+            "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps}
+
+
+def check_same(shards: str, workers: int, n: int, **kw) -> None:
+    """The in-process sequence equals the workers' one (first ``n`` batches), or stop."""
+    a = iter(stream_mod.ShardLoader(shards, "train", num_workers=workers, **kw))
+    b = same_batches_in_process(shards, workers, 8, **kw)
+    for i in range(n):
+        x, y = next(a), next(b)
+        if not (torch.equal(x.src, y.src) and torch.equal(x.tgt_out, y.tgt_out)):
+            raise SystemExit(f"batch {i} differs between the workers and the in-process sequence")
+
+
+def report(args, rows: dict, start: dict) -> None:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"CPU {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, training threads "
+          f"{args.threads}, {args.steps} steps x {args.rounds} interleaved rounds, buffer_size {args.buffer_size}, "
+          f"extra decode {args.decode_ms} ms per block")
+    print(f"start-up of {args.workers} workers: first batch after {1000 * start['first']:.0f} ms; first step after the "
+          f"fork {start['w']['step']:.3f} s with {start['w']['faults']:.0f} minor page faults (copy-on-write) vs "
+          f"{start['p']['step']:.3f} s with {start['p']['faults']:.0f} in process; workers' CPU since the fork "
+          f"{1000 * start['wcpu']:.1f} ms per batch trained")
+    print(f"{'loader':<14}{'s/step':>8}{'data wait ms':>14}{'trainer CPU s':>15}{'workers CPU ms':>16}"
+          f"{'faults':>8}   (per step, medians over rounds)")
+    for name, r in rows.items():
+        med = {k: statistics.median(x[k] for x in r) for k in r[0]}
+        print(f"{name:<14}{med['step']:>8.3f}{1000 * med['wait']:>14.1f}{med['cpu']:>15.3f}{1000 * med['wcpu']:>16.1f}"
+              f"{med['faults']:>8.0f}")
+    for k, what in (("step", "step time"), ("cpu", "trainer CPU")):
+        ratios = sorted(a[k] / b[k] for a, b in zip(rows["in-process"], rows["workers"]))
+        print(f"RATIO {what} in-process / {args.workers} workers (>1: workers faster): "
+              f"median {statistics.median(ratios):.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}]")
 
 
 def main() -> int:
@@ -79,34 +146,38 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     ap.add_argument("--max-tokens", type=int, default=6000)
+    ap.add_argument("--buffer-size", type=int, default=16, help="blocks per slot and shuffle window")
     ap.add_argument("--decode-ms", type=float, default=0.0, help="extra milliseconds per full block read")
     args = ap.parse_args()
+    if args.workers < 1:
+        ap.error("--workers must be >= 1")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    kw = dict(max_tokens=args.max_tokens, max_bytes=160, seed=1, buffer_size=args.buffer_size)
+    check_same(args.shards, args.workers, 24, **kw)
     if args.decode_ms:
         slow_reads(args.decode_ms)
-    langs = load_manifest(args.shards).languages
     torch.manual_seed(0)
     cfg = ModelConfig(arch="transformer", d_model=256, n_heads=4, encoder_layers=3, decoder_layers=3, ffn_dim=1024,
                       dropout=0.1, max_positions=256)
-    model = build_model(cfg, ByteVocab(langs).size)
+    model = build_model(cfg, ByteVocab(load_manifest(args.shards).languages).size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    run_round(model, opt, args.shards, 0, 2, args.max_tokens)  # warm-up
-    rows = {0: [], args.workers: []}
+    src = {"in-process": same_batches_in_process(args.shards, args.workers, 8, **kw)}
+    b0 = next(src["in-process"])  # batch 0: warm-up twice in process, then the first step after the fork
+    train_steps(model, opt, iter([b0]), 1)  # cold: first allocations
+    start = {"p": train_steps(model, opt, iter([b0]), 1)}
+    t0 = time.perf_counter()
+    loader = stream_mod.ShardLoader(args.shards, "train", num_workers=args.workers, **kw)
+    src["workers"] = iter(loader)
+    first = next(src["workers"])  # batch 0 again (identical sequences)
+    start["first"] = time.perf_counter() - t0
+    start["w"] = train_steps(model, opt, iter([first]), 1)
+    rows: dict = {name: [] for name in src}
     for _ in range(args.rounds):
-        for w in rows:
-            rows[w].append(run_round(model, opt, args.shards, w, args.steps, args.max_tokens))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"CPU {cpu}, {os.cpu_count()} cores, training threads {args.threads}, {args.steps} steps x "
-          f"{args.rounds} interleaved rounds, extra decode {args.decode_ms} ms per block")
-    print(f"{'loader':<22}{'s/step':>10}{'data wait ms/step':>20}")
-    for w, r in rows.items():
-        name = "in-process" if w == 0 else f"{w} workers"
-        print(f"{name:<22}{statistics.median(t for t, _ in r):>10.3f}"
-              f"{1000 * statistics.median(d for _, d in r):>20.1f}")
-    ratios = sorted(a[0] / b[0] for a, b in zip(rows[0], rows[args.workers]))
-    print(f"RATIO step time in-process / {args.workers} workers (>1: workers faster): "
-          f"median {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+        for name, it in src.items():
+            rows[name].append(train_steps(model, opt, it, args.steps))
+    start["wcpu"] = children_cpu() / (1 + args.rounds * args.steps)  # the workers' CPU since the fork, per batch
+    report(args, rows, start)
     return 0
 
 

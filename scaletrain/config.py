@@ -31,7 +31,8 @@ class DataConfig:
     buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
     seed: int = 1
     # DataLoader worker processes per rank feeding the stream (0 = in the training process); auto: 2 for remote
-    # shards or on an accelerator with >= 4 host cores per rank, else 0 (scaletrain.data.stream.auto_num_workers)
+    # shards or on an accelerator with >= 4 host cores per rank, 1 on a CPU host with an idle core per rank
+    # beside the training threads, else 0 (scaletrain.data.stream.auto_num_workers)
     num_workers: int | str = "auto"
     temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
     # byte (default) | spm: the subword baseline, a SentencePiece BPE model stored beside the shards

@@ -109,7 +109,8 @@ class Trainer:
         if nw != "auto":
             return int(nw)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        n, why = auto_num_workers(self.engine.device.type, self.cfg.data.shards, local, os.cpu_count() or 1)
+        n, why = auto_num_workers(self.engine.device.type, self.cfg.data.shards, local, os.cpu_count() or 1,
+                                  threads=torch.get_num_threads())
         if self.engine.is_main:
             log.info("data.num_workers auto -> %d: %s", n, why)
         return n

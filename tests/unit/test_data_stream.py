@@ -310,3 +310,21 @@ def test_auto_num_workers_rule():
     assert auto_num_workers("cuda", "shards/django", 8, 16)[0] == 0  # 2 cores per rank: none to spare
     assert auto_num_workers("cpu", "http://127.0.0.1:1/shards", 2, 2)[0] == 2  # network waits, not cores
     assert auto_num_workers("cpu", "pipe:cat /x/{name}", 2, 2)[0] == 2
+    # CPU host with an idle core per rank beside the training threads: one worker (same batches as in process)
+    assert auto_num_workers("cpu", "shards/django", 1, 2, threads=1)[0] == 1
+    assert auto_num_workers("cpu", "shards/django", 2, 2, threads=1)[0] == 0  # 2 ranks x 1 thread: no core idle
+    assert auto_num_workers("cpu", "shards/django", 2, 8, threads=2)[0] == 1
+    assert auto_num_workers("cpu", "shards/django", 1, 2, threads=2)[0] == 0
+
+
+def test_one_worker_is_the_in_process_sequence_and_state(data):
+    """What lets ``auto`` switch between 0 and 1 worker: same batches, and a state either one resumes."""
+    d, _ = data
+    kw = dict(rank=1, world_size=2, epochs=1, **KW)
+    a, b = list(ShardLoader(d, num_workers=0, **kw)), list(ShardLoader(d, num_workers=1, chunk=3, **kw))
+    assert len(a) == len(b) > 5 and all(same(x, y) for x, y in zip(a, b))
+    one = ShardLoader(d, num_workers=1, **kw)
+    head = list(itertools.islice(iter(one), 5))
+    again = ShardLoader(d, num_workers=0, **kw)
+    again.load_state_dict(json.loads(json.dumps(one.state_dict())))
+    assert all(same(x, y) for x, y in zip(head + list(again), a))
