@@ -806,8 +806,13 @@ class ShardLoader:
                 self._advance(v, pos)
                 yield batch
             return
+        # A generator of its own: the DataLoader draws its workers' base seed from the generator it is given,
+        # by default torch's global one, which would shift dropout's random stream by one draw at every
+        # start and resume (a resumed run would not be bitwise the uninterrupted one). The workers use no
+        # torch randomness (the stream is seeded by data.seed).
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                         prefetch_factor=self.prefetch_factor, collate_fn=_identity)
+                                         prefetch_factor=self.prefetch_factor, collate_fn=_identity,
+                                         generator=torch.Generator().manual_seed(0))
         for v, base, pos, packed in dl:
             for (e, w, b, sd, st), batch in zip(pos.tolist(), _unpack_chunk(packed)):
                 self._advance(v, {**base, "epoch": e, "window": w, "batch": b, "skipped_blocks": sd,

@@ -108,7 +108,8 @@ class Trainer:
         nw = self.cfg.data.num_workers
         if nw != "auto":
             return int(nw)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        # ranks on this node: torchrun / accelerate set LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         n, why = auto_num_workers(self.engine.device.type, self.cfg.data.shards, local, os.cpu_count() or 1,
                                   threads=torch.get_num_threads())
         if self.engine.is_main:

@@ -317,6 +317,18 @@ def test_auto_num_workers_rule():
     assert auto_num_workers("cpu", "shards/django", 1, 2, threads=2)[0] == 0
 
 
+def test_worker_loader_leaves_torch_global_rng_alone(data):
+    """Starting the DataLoader's workers must not draw from torch's global generator: a resumed run
+    restores that generator (dropout) and then starts the loader again, so a draw there would shift
+    every later dropout mask (seen: a 2-rank resume with 1 worker per rank was not bitwise)."""
+    d, _ = data
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    it = iter(ShardLoader(d, num_workers=1, rank=0, world_size=1, epochs=1, **KW))
+    next(it)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_one_worker_is_the_in_process_sequence_and_state(data):
     """What lets ``auto`` switch between 0 and 1 worker: same batches, and a state either one resumes."""
     d, _ = data

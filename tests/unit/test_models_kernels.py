@@ -66,7 +66,7 @@ def test_masked_keys_get_no_weight_on_the_bmm_path():
     assert torch.equal(out, kernels.attention(q, k, v2, mask=mask, impl="bmm"))
 
 
-def test_auto_picks_bmm_only_for_cpu_training_in_reduced_precision(monkeypatch):
+def test_auto_picks_bmm_for_cpu_training_in_reduced_precision_and_for_few_queries(monkeypatch):
     calls = []
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -74,8 +74,10 @@ def test_auto_picks_bmm_only_for_cpu_training_in_reduced_precision(monkeypatch):
     kernels.attention(q, k, v)
     assert calls == []  # bf16 with gradients: bmm
     with torch.no_grad():
+        kernels.attention(*_qkv(torch.bfloat16, T=16))
+        assert calls == [1]  # no gradients, many queries (encoder at inference): SDPA's fast forward
         kernels.attention(q, k, v)
-    assert calls == [1]  # no gradients, many queries (encoder at inference): SDPA's fast forward
+    assert calls == [1]  # no gradients, at most 8 queries (a sentence's beams in beam search): bmm
     kernels.attention(*(t.float() for t in (q, k, v)))
     assert calls == [1, 1]  # fp32: SDPA
     kernels.attention(q, k, v, mode="torch")
