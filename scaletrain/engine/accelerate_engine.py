@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import Engine, StepInfo, min_loss_scale_error
-from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import expert_checkpoint_load, owned_params, rank0_layout, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, owned_params, save_expert_shard
 from scaletrain.safeload import safe_torch_load, weights_only_loads
 
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -111,9 +111,7 @@ class AccelerateEngine(Engine):
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
             model._ddp_params_and_buffers_to_ignore = list(self.ep.expert_names)
         stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
-        native = stage if self.mode == "deepspeed" else 0  # ZeRO-1/2: DeepSpeed broadcasts experts per EDP group
-        with native_moe(model, self.ep, native), \
-                rank0_layout(model, self.ep.ctx.ep_size if native == 0 else None):  # owned experts alike
+        with expert_setup(model, self.ep, stage if self.mode == "deepspeed" else 0):
             optimizer = build_optimizer(model, self.cfg)
             scheduler = build_scheduler(optimizer, self.cfg)
             self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)

@@ -18,7 +18,7 @@ from scaletrain.engine.base import StepInfo, min_loss_scale_error
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import expert_checkpoint_load, owned_params, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, rank0_layout, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -61,19 +61,28 @@ def _holds_experts(module) -> bool:
 
 
 @contextlib.contextmanager
-def native_moe(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: int):
-    """Around ``deepspeed.initialize`` under expert parallelism with ZeRO-1/2: DeepSpeed's own MoE path.
+def expert_setup(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: int):
+    """Around an engine's set-up (``deepspeed.initialize``, Accelerate's ``prepare``; ``zero_stage`` 0 for
+    DDP) under expert parallelism; build the optimizer inside.
 
-    DeepSpeed reduces a parameter marked ``allreduce = False`` over the expert-data-parallel group named
+    ZeRO-0 and DDP: the owned expert tensors (MoCE, ``moe.moce_partition``) take rank 0's shapes while
+    the engine broadcasts rank 0's parameters, and get their own back after (``rank0_layout``).
+
+    ZeRO-1/2: DeepSpeed's own MoE path. DeepSpeed reduces a parameter marked ``allreduce = False`` over the expert-data-parallel group named
     by its ``group_name`` (sum / world size, as ``scaletrain.parallel.grads``), broadcasts it from that
     group's first rank, and ZeRO-1/2 partition an optimizer group with ``moe: True`` over that group
     only. It switches that path on only when the model holds its ``deepspeed.moe.layer.MoE``; for the
     duration of the call, ``deepspeed.runtime.engine.MoE`` also recognises our MoE blocks. Our EP / EDP
     groups are registered under DeepSpeed's name for them (``ep_size_P``); the expert parameters are
-    marked (``build_optimizer`` then names their group and sets ``moe``). Build the optimizer inside.
+    marked (``build_optimizer`` then names their group and sets ``moe``). DeepSpeed broadcasts experts
+    within their expert-data-parallel group only, where the shapes agree, so owned experts need nothing.
     """
-    if not ep.active or zero_stage not in (1, 2):
+    if not ep.active:
         yield
+        return
+    if zero_stage not in (1, 2):
+        with rank0_layout(model, ep.ctx.ep_size):
+            yield
         return
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.utils import groups
@@ -107,7 +116,7 @@ class DeepSpeedDriver:
     all-reduce is switched off, and at the update the driver averages the dense gradients over the
     world, sums expert gradients over the expert-data-parallel group / W and clips with the norm that
     counts each expert once (``scaletrain.parallel.grads``; the JSON's gradient_clipping is 0 then).
-    ZeRO-1/2: DeepSpeed's own MoE path (``native_moe``; no clipping: its norm averages expert norms
+    ZeRO-1/2: DeepSpeed's own MoE path (``expert_setup``; no clipping: its norm averages expert norms
     over the EDP group instead of summing them over the EP group).
     """
 
@@ -116,7 +125,7 @@ class DeepSpeedDriver:
         self.scheduler = scheduler
         self.ep = ExpertParallelGrads(ds_engine.module)
         self.clip_norm = clip_norm
-        # ZeRO-0: our reduction (DeepSpeed's off); ZeRO-1/2: DeepSpeed's MoE path (``native_moe``)
+        # ZeRO-0: our reduction (DeepSpeed's off); ZeRO-1/2: DeepSpeed's MoE path (``expert_setup``)
         self.own_ep = self.ep.active and ds_engine.zero_optimization_stage() == 0
         if self.ep.active:
             if ds_engine.zero_optimization_stage() not in (0, 1, 2) or ds_engine.fp16_enabled() \
@@ -125,7 +134,7 @@ class DeepSpeedDriver:
                                       "'Expert parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
             if not self.own_ep and not getattr(ds_engine, "has_moe_layers", False):
                 raise ScaletrainError("DeepSpeed did not take the expert parameters (build the engine inside "
-                                      "scaletrain.engine.deepspeed_driver.native_moe)")
+                                      "scaletrain.engine.deepspeed_driver.expert_setup)")
         if self.own_ep:
             ds_engine.enable_backward_allreduce = False
         # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the

@@ -8,13 +8,12 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import Engine, StepInfo
-from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, native_moe
+from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import rank0_layout
 
 
 class DeepSpeedEngine(Engine):
@@ -45,10 +44,7 @@ class DeepSpeedEngine(Engine):
         ep = ExpertParallelGrads(model)
         experts = ep.snapshot() if ep.active else None
         stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
-        # ZeRO-1/2 under expert parallelism: DeepSpeed's MoE path (it broadcasts experts over their EDP
-        # group only); ZeRO-0: owned experts (MoCE) shaped alike on every rank while DeepSpeed broadcasts
-        # rank 0's parameters (each rank's come back after)
-        with native_moe(model, ep, stage), rank0_layout(model, ep.ctx.ep_size if stage == 0 else None):
+        with expert_setup(model, ep, stage):  # expert parallelism: owned experts, DeepSpeed's MoE path
             optimizer = build_optimizer(model, self.cfg)
             scheduler = build_scheduler(optimizer, self.cfg)
             engine, _, _, _ = self._ds.initialize(

@@ -259,14 +259,18 @@ def _step_lprobs(model, tokens, step, enc, cache, mask_cache: dict):
     return lprobs.add_(mask_cache["mask"]), cache
 
 
-def _constrain_eos(lprobs: torch.Tensor, step: int, min_len: int, row_max: torch.Tensor, min_row_max: int) -> None:
+def _constrain_eos(lprobs: torch.Tensor, step: int, min_len: int, row_max: torch.Tensor, min_row_max: int,
+                   beams: int = 1) -> None:
     """In place: no EOS before ``min_len`` unless the length limit forces it; a row at its length limit
-    (``step >= row_max``) can only emit EOS. ``min_row_max = min(row_max)``: before it no row is at its
-    limit, and one column write does (no per-row test, no host sync)."""
+    (``step >= row_max``) can only emit EOS. ``row_max``: the limit of each sentence, whose ``beams``
+    consecutive rows share it. ``min_row_max = min(row_max)``: before it no row is at its limit, and one
+    column write does (no per-row test, no host sync)."""
     if step < min_row_max:
         if step < min_len:
             lprobs[:, EOS] = -math.inf
         return
+    if beams > 1:
+        row_max = row_max.repeat_interleave(beams)
     if step < min_len:  # no EOS before min_len, unless the length limit forces it
         eos_col = lprobs[:, EOS].clone()
         lprobs[:, EOS] = torch.where(step >= row_max, eos_col, torch.full_like(eos_col, -math.inf))
@@ -400,10 +404,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
     while alive.numel():
         nb = alive.numel()
         lprobs, cache = _step_lprobs(model, tokens, step, enc, cache, mask_cache)  # [nb*K, V]
-        if step >= min_max:  # some sentence may be at its length limit
-            _constrain_eos(lprobs, step, min_len, alive_max.repeat_interleave(K), min_max)
-        elif step < min_len:
-            lprobs[:, EOS] = -math.inf
+        _constrain_eos(lprobs, step, min_len, alive_max, min_max, K)
         top_val, top_beam, top_tok, is_eos = _top_candidates(scores, lprobs, K)
         done_now = _finalize_eos(top_val, top_beam, is_eos, hist, alive, finalized, step, K, lenpen)
         # a sentence that reached its length limit has finished all its (finite) beams

@@ -97,15 +97,29 @@ def placeholders(params: dict[str, nn.Parameter], shapes: dict[str, tuple[int, .
             p.data = mine[n].to(device=p.device, dtype=p.dtype)
 
 
-def rank0_layout(model: nn.Module, ep_size: int | None):
+def rank0_layout(model: nn.Module, ep_size: int):
     """Context: every owned expert tensor shaped as on EP rank 0 (whole where rank 0 owns the expert,
     else empty), so that every rank's parameters have the same shapes while an engine broadcasts rank
     0's parameters or loads rank 0's module file; each rank's own tensors come back on exit (their
-    values: this rank's own, re-read from its expert shard by ``expert_checkpoint_load``). ``ep_size``
-    None: nothing changes (DeepSpeed's ZeRO-1/2 MoE path broadcasts experts within their
-    expert-data-parallel group, where the shapes agree, and flattens the parameters it is given)."""
-    owned = owned_params(model) if ep_size else {}
+    values: this rank's own, re-read from its expert shard by ``expert_checkpoint_load``). Not for
+    DeepSpeed's ZeRO-1/2 MoE path, which flattens the parameters it is given
+    (``scaletrain.engine.deepspeed_driver.expert_setup``)."""
+    owned = owned_params(model)
     return placeholders(owned, {n: _shape_at_rank0(n, p, {}, ep_size) for n, p in owned.items()})
+
+
+def gather_expert(p: nn.Parameter, t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The full tensor (every expert of the layer) of ``t``, this rank's value of expert parameter ``p``
+    (its data or its gradient): stacked -> all EP ranks' slices concatenated; owned -> broadcast from
+    the owner. Collective over the EP group (ep_size > 1)."""
+    t = t.detach().contiguous()
+    if getattr(p, "ep_owner", None) is not None:
+        out = t.clone() if ctx.ep_rank == p.ep_owner else t.new_empty(p.full_shape)
+        dist.broadcast(out, dist.get_global_rank(ctx.ep_group, p.ep_owner), group=ctx.ep_group)
+        return out
+    parts = [torch.empty_like(t) for _ in range(ctx.ep_size)]
+    dist.all_gather(parts, t, group=ctx.ep_group)
+    return torch.cat(parts, 0)
 
 
 def consolidate_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
@@ -114,16 +128,8 @@ def consolidate_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, 
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if ctx.ep_size == 1:
         return sd
-    for key in sorted(expert_shards(model)):
-        t = sd[key].contiguous()
-        parts = [torch.empty_like(t) for _ in range(ctx.ep_size)]
-        dist.all_gather(parts, t, group=ctx.ep_group)
-        sd[key] = torch.cat(parts, 0)
-    for key, p in sorted(owned_params(model).items()):  # broadcast from each expert's owner
-        src = dist.get_global_rank(ctx.ep_group, p.ep_owner)
-        t = p.detach().clone() if ctx.ep_rank == p.ep_owner else p.new_empty(p.full_shape)
-        dist.broadcast(t, src, group=ctx.ep_group)
-        sd[key] = t
+    for key, p in sorted(_expert_params(model).items()):
+        sd[key] = gather_expert(p, sd[key], ctx)
     return sd
 
 

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 for _p in (ROOT, ROOT / "tests", ROOT / "tests" / "integration"):
@@ -30,18 +29,12 @@ from test_engine_replay import TINY, Replay, fixed_batches, run_job  # noqa: E40
 
 
 def _gathered_expert_grads(module, ctx) -> dict[str, torch.Tensor]:
+    from scaletrain.parallel.state import gather_expert
+
     out = {}
     for name, p in module.named_parameters():
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        if getattr(p, "ep_owner", None) is not None and ctx.ep_size > 1:  # owned (MoCE): whole on its owner
-            t = g.contiguous() if ctx.ep_rank == p.ep_owner else g.new_empty(p.full_shape)
-            dist.broadcast(t, dist.get_global_rank(ctx.ep_group, p.ep_owner), group=ctx.ep_group)
-            g = t
-        elif getattr(p, "expert", False) and ctx.ep_size > 1:
-            parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
-            dist.all_gather(parts, g.contiguous(), group=ctx.ep_group)
-            g = torch.cat(parts)
-        out[name] = g
+        out[name] = gather_expert(p, g, ctx) if getattr(p, "expert", False) and ctx.ep_size > 1 else g
     return out
 
 
