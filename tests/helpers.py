@@ -101,6 +101,16 @@ def two_rank_training(out: Path, recipe: str, *overrides: str, tmp_path: Path, s
 
 
 # ---- models and data -------------------------------------------------------------------------------
+def assert_grad_close(actual, expected, msg: str = "", **kw) -> None:
+    """``torch.testing.assert_close`` of two gradients that must both exist: assert_close itself passes
+    when both are None (a parameter no loss reached, e.g. a branch removed from the forward)."""
+    import torch
+
+    missing = [w for w, g in (("actual", actual), ("expected", expected)) if g is None]
+    assert not missing, f"{msg}: no gradient ({' and '.join(missing)} {'are' if len(missing) > 1 else 'is'} None)"
+    torch.testing.assert_close(actual, expected, msg=(lambda m: f"{msg}: {m}") if msg else None, **kw)
+
+
 def decode_all(m, src, tgt):
     """Logits of every target position by incremental decoding (``encode`` once, ``decode_step`` per token)."""
     import torch

@@ -27,6 +27,19 @@ size, so a block can be read with one seek, and (format 3) each block's CRC-32, 
 whole block is read (``read_block``): a block whose bytes changed raises ``CorruptShardError`` naming
 the shard and the member. Manifests of format 1 and 2 have no block checksums (nothing is checked
 per block; ``block_checksums`` says so).
+
+The shards are plain WebDataset shards: ``webdataset.WebDataset(urls)`` iterates them, one sample
+per block (``{"__key__": ..., "pairs": bytes}``), and :func:`decode_webdataset_sample` (exported by
+``scaletrain.data``) turns such a sample into its translation pairs, the same ones this module's
+readers yield (tested against ``webdataset`` 1.0.2). The writer and the readers here are our own,
+not ``webdataset.TarWriter`` / ``WebDataset``, because training needs what a sequential tar stream
+does not give: the writer records each member's data offset and size (and CRC-32) in the manifest,
+which ``TarWriter`` does not report; with them a reader fetches one block with one seek or one
+HTTP Range request (``sources.py``) instead of streaming the shard from its start, the training
+stream resumes exactly at (shard, block, example) after a restart without re-reading what it had
+consumed, and a changed block is caught by its checksum. Tar headers are written by
+``tarfile.TarInfo.tobuf``, and reading a shard without its manifest (``iter_shard_blocks``) uses
+``tarfile``.
 """
 from __future__ import annotations
 
@@ -699,6 +712,39 @@ def iter_split(shard_dir, split: str, on_corrupt: str = "stop") -> Iterator[Exam
                 logging.getLogger(__name__).warning("skipping a corrupt block (data.on_corrupt=skip): %s", e)
                 continue
             yield from blk.examples()
+
+
+def decode_webdataset_sample(sample: dict, languages: Sequence[str] | None = None) -> list[tuple]:
+    """The translation pairs of one WebDataset sample read from our shards, as
+    ``(src_lang, tgt_lang, src, tgt)`` tuples in block order: ``src``/``tgt`` are the raw UTF-8 bytes,
+    the languages are manifest indices, or codes when ``languages`` (the manifest's list,
+    ``load_manifest(shard_dir).languages``) is given. The same pairs as ``iter_split``. ::
+
+        import webdataset as wds
+        from scaletrain.data import decode_webdataset_sample
+        ds = wds.WebDataset(sorted(glob("shards/NAME/train-*.tar")), shardshuffle=False)
+        pairs = (p for sample in ds for p in decode_webdataset_sample(sample))
+
+    A sample without a ``pairs`` member (not one of our blocks) raises ``ScaletrainError``; a corrupt
+    block raises ``CorruptShardError`` naming the shard and the member."""
+    where = f"{sample.get('__url__', 'webdataset sample')} member {sample.get('__key__', '?')}.pairs"
+    data = sample.get("pairs")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ScaletrainError(f"{where}: no 'pairs' bytes in this sample (keys: {sorted(sample)}); "
+                              "decode_webdataset_sample reads the blocks of scaletrain shards (undecoded bytes)")
+    blk = decode_block(bytes(data), where)
+    out = []
+    for ex in blk.examples():
+        sl, tl = (ex.src_lang, ex.tgt_lang) if languages is None else _codes(languages, ex, where)
+        out.append((sl, tl, ex.src, ex.tgt))
+    return out
+
+
+def _codes(languages: Sequence[str], ex: Example, where: str) -> tuple[str, str]:
+    top = max(ex.src_lang, ex.tgt_lang)
+    if top >= len(languages):
+        raise CorruptShardError(f"{where}: language id {top} out of range ({len(languages)} languages given)")
+    return languages[ex.src_lang], languages[ex.tgt_lang]
 
 
 def read_split(shard_dir, split: str, on_corrupt: str = "stop") -> list[Example]:

@@ -6,8 +6,9 @@ runs one forward/backward of a fixed batch per rank through the engine, reduces 
 way the engine does at an update (``ExpertParallelGrads``, or DDP's own all-reduce for the dense part),
 gathers the expert gradients of every layer over the expert-parallel group (owned MoCE experts: from
 their owner) and writes
-OUT/NAME/grads_rank{r}.pt plus OUT/NAME/info_rank{r}.json (this rank's expert parameter count, the
-model's parameter count the trainer logs).
+OUT/NAME/grads_rank{r}.pt (a gradient of zeros where a parameter got none) plus OUT/NAME/info_rank{r}.json
+(this rank's expert parameter count, the model's parameter count the trainer logs, ``no_grad``: the
+names of the non-empty parameters that got no gradient).
 Any other job is a training job of test_engine_replay.py's ``run_job`` (same global batch per update
 for any layout; OUT/NAME/params_rank{r}.pt holds the consolidated parameters).
 """
@@ -61,14 +62,17 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
         ep.reduce(dense=cfg.engine.backend == "deepspeed")  # DDP already averaged the dense gradients
     grads = _gathered_expert_grads(eng.module, ep.ctx)
     torch.save(grads, d / f"grads_rank{rank}.pt")
-    write_info(d, eng, trainer.param_counts["total"])
+    # parameters this rank holds that got no gradient (an owned MoCE expert is empty off its owner)
+    no_grad = [n for n, p in eng.module.named_parameters() if p.grad is None and p.numel()]
+    write_info(d, eng, trainer.param_counts["total"], no_grad=no_grad)
     trainer.close()
     eng.barrier()
 
 
-def write_info(d: Path, eng, total: int) -> None:
+def write_info(d: Path, eng, total: int, **extra) -> None:
     experts = sum(p.numel() for p in eng.module.parameters() if getattr(p, "expert", False))
-    (d / f"info_rank{eng.rank}.json").write_text(json.dumps({"expert_params": experts, "total_params": total}))
+    info = {"expert_params": experts, "total_params": total, **extra}
+    (d / f"info_rank{eng.rank}.json").write_text(json.dumps(info))
 
 
 def main(argv: list[str]) -> None:

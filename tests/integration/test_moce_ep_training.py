@@ -1,4 +1,4 @@
-"""Expert-parallel MoCE in training (issue 12, item 3), CPU/gloo, 2 ranks.
+"""Expert-parallel MoCE in training, CPU/gloo, 2 ranks.
 
 ``moe.moce_partition`` with ``moe.ep_size=2``: every conv expert of each Ada-MSHA layer lives whole on
 one rank (kernels 0,1,3,5: rank 0 holds the 5-tap expert, rank 1 the 3- and 1-tap ones; the identity
@@ -11,6 +11,9 @@ Replay), 20 updates:
   the consolidated weights agree within fp32 round-off;
 * each rank holds only its conv experts (counted), and the reduced gradients of one fixed batch per
   rank equal those of ep_size=1;
+* the routing statistics the loop logs and plots (MoCE expert shares and mean radius per language,
+  MoE expert shares per language) are those of every rank's tokens: 2 ranks (ep_size=2) log what one
+  process (ep_size=1, 2 accumulation steps over the same global batches) logs;
 * checkpoints (MoCE + MoE, dropout on): stop after N updates and resume == 2N uninterrupted, bitwise,
   under ZeRO-0, ZeRO-2 and DDP; a resume at another ep_size (1 -> 2, 2 -> 1) re-cuts the conv experts and
   their Adam moments and follows the uninterrupted run; ``scaletrain export`` joins the shards into
@@ -48,6 +51,14 @@ def _equivalence_jobs(prefix: str, engine: list[str], model: list[str], accum: i
             for ep in (1, 2)]
 
 
+def _routing_jobs() -> list[dict]:
+    """2 updates with tracking on (journal and expert-usage plot): 2 ranks at ep_size=2, and (run by one
+    process) ep_size=1 with 2 accumulation steps over the same global batches."""
+    o = [*MOCE, *MOE, *DS, "train.max_steps=2", "tracking.enabled=true", "tracking.experiment=routing"]
+    return [{"name": "routing_ep2", "overrides": [*o, "moe.ep_size=2"]},
+            {"name": "routing_one", "overrides": [*o, "engine.grad_accum=2"]}]
+
+
 def _resume_jobs(prefix: str, engine: list[str]) -> list[dict]:
     o = [*MOCE, *MOE, *engine, "model.dropout=0.1", "moe.ep_size=2"]
     return [{"name": f"{prefix}_full", "replay": False, "overrides": [*o, f"train.max_steps={2 * N}"]},
@@ -71,8 +82,9 @@ def runs(django_shards, tmp_path_factory) -> Path:
     ref = [{"name": "ds_rs_ref", "overrides": [*MOCE, *MOE, *DS, f"train.max_steps={2 * N}"]}]
     ds = (grads + _equivalence_jobs("ds_moce", DS, []) + _equivalence_jobs("ds_both", DS, MOE) + _resume_jobs("ds", DS)
           + ref + _reshard_jobs("ds", DS, 1, 2) + _reshard_jobs("ds", DS, 2, 1)
-          + _equivalence_jobs("z2_both", Z2, MOE) + _resume_jobs("z2", Z2))
+          + _equivalence_jobs("z2_both", Z2, MOE) + _resume_jobs("z2", Z2) + _routing_jobs()[:1])
     run(deepspeed_cmd(2, DRIVER, str(out), sh, json.dumps(ds)), env, timeout=900)
+    run([sys.executable, DRIVER, str(out), sh, json.dumps(_routing_jobs()[1:])], env)
     acc = Path(sys.executable).with_name("accelerate")
     ddp = [_equivalence_jobs("ddp_both", DDP, MOE, accum=2)] + [[j] for j in _resume_jobs("ddp", DDP)]
     for jobs in ddp:  # a fresh process each
@@ -118,6 +130,7 @@ def test_rank_holds_only_its_conv_experts_and_gets_the_ep1_gradients(runs):
     for r in (0, 1):
         assert info[(2, r)]["expert_params"] == moe // 2 + CONV[r]
         assert info[(2, r)]["total_params"] == info[(1, 0)]["total_params"]
+    assert all(i["no_grad"] == [] for i in info.values())  # the zeros saved for a missing gradient are not compared
     g1 = torch.load(runs / "ds_grads_ep1" / "grads_rank0.pt")
     conv = [k for k in g1 if ".variant.weights." in k or ".variant.biases." in k]
     assert len(conv) == 6 and all(float(g1[k].abs().max()) > 0 for k in conv)
@@ -167,3 +180,33 @@ def test_export_of_moce_ep2_checkpoint_loads_in_one_process(runs, engine, django
     res = json.loads((runs / f"{engine}_full" / "result_rank0.json").read_text())
     batch = fixed_batches(django_shards, 1)[0]
     assert fixed_batch_loss(model, batch, cfg.optim.label_smoothing) == pytest.approx(res["probe_loss"], rel=1e-6)
+
+
+def _routing_logged(run_dir: Path) -> dict[int, dict[str, float]]:
+    from scaletrain.tracking import read_journal
+
+    out: dict[int, dict[str, float]] = {}
+    for r in read_journal(run_dir / "tracking" / "journal.jsonl"):
+        if r.get("t") == "m":
+            out.setdefault(r["s"], {}).update({k: v for k, v in r["v"].items() if k.startswith(("routing/", "moe_usage/"))})
+    return {s: v for s, v in out.items() if v}
+
+
+@pytest.mark.slow
+def test_routing_statistics_are_summed_over_ranks(runs):
+    """What 2 ranks log and plot = what one process logs for the union of their batches (with rank 0's tokens
+    only, languages are missing or their shares differ by ~1e-2)."""
+    two, one = _routing_logged(runs / "routing_ep2"), _routing_logged(runs / "routing_one")
+    assert sorted(two) == sorted(one) == [1, 2]
+    for step in (1, 2):
+        assert any(k.endswith("/mean_radius") for k in one[step]) and any("moe_usage/" in k for k in one[step])
+        assert two[step].keys() == one[step].keys(), step
+        for k, v in one[step].items():
+            assert two[step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
+    plots = [json.loads((runs / n / "plots" / "expert_usage.json").read_text()) for n in ("routing_ep2", "routing_one")]
+    assert plots[0]["step"] == plots[1]["step"] == 2 and plots[0]["layers"].keys() == plots[1]["layers"].keys()
+    for name, layer in plots[1]["layers"].items():
+        got = plots[0]["layers"][name]
+        assert got["langs"] == layer["langs"], name
+        flat = [[v for row in d["share"] for v in row] + list(d.get("mean_radius", [])) for d in (got, layer)]
+        assert flat[0] == pytest.approx(flat[1], rel=1e-5, abs=1e-6), name

@@ -112,7 +112,9 @@ def _loss_and_grads(model, seed=1):
     torch.manual_seed(seed + 1)  # same dropout masks
     loss = model(src, tgt).float().logsumexp(-1).mean()
     loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without a gradient: {missing}"  # every parameter is reached
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_activation_checkpointing_same_maths_and_recomputes():

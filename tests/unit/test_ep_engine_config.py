@@ -13,14 +13,47 @@ from scaletrain.errors import ScaletrainError
 MOE = ["moe.num_experts=4", "moe.every=2", "moe.ep_size=2", "optim.clip_norm=1.0"]
 
 
-@pytest.mark.parametrize("ds,prec", [("zero3.json", "fp32"), ("zero0.json", "bf16"), ("zero3.json", "bf16")])
-def test_ep_refused_where_the_engine_cannot_reduce_experts(ds, prec):
-    cfg = load_config("small", [*MOE, f"engine.ds_config={ds}", f"engine.precision={prec}"])
+REASONS = {  # what DeepSpeed 0.19.8 does there (scaletrain/engine/ds_config.py::_expert_parallel_refusal)
+    "zero3": "Native DeepSpeed MoE is not supported with ZeRO Stage 3",
+    "zero0": "FP16_UnfusedOptimizer, whose fp32 master weights are copied while every rank still holds rank 0's",
+    "fp16": "fp16's loss-scaled ZeRO-1/2 optimizers are untested",
+}
+
+
+@pytest.mark.parametrize("ds,prec,why", [("zero3.json", "fp32", "zero3"), ("zero0.json", "bf16", "zero0"),
+                                         ("zero0.json", "fp16", "zero0"), ("zero3.json", "bf16", "zero3"),
+                                         ("zero2.json", "fp16", "fp16")])
+def test_ep_refused_where_the_engine_cannot_reduce_experts(ds, prec, why):
+    cfg = load_config("small", [*MOE, "optim.clip_norm=0", f"engine.ds_config={ds}", f"engine.precision={prec}"])
     with pytest.raises(ScaletrainError) as e:
         load_ds_config(cfg, 2)
     msg = str(e.value)
     assert "\n" not in msg and "moe.ep_size=2" in msg and "ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16" in msg and f"is {prec}" in msg
-    assert "engine.accelerate=ddp" in msg
+    assert REASONS[why] in msg and "engine.accelerate=ddp" in msg
+
+
+def test_ep_refusal_names_the_optimizer_deepspeed_picks_for_zero0_bf16():
+    """The reason given is what DeepSpeed does: bf16 without ZeRO and a client optimizer that is not its
+    FusedAdam get FP16_UnfusedOptimizer (not BF16_Optimizer), which clones fp32 master weights."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime.engine import DDP_BFLOAT16, DeepSpeedEngine
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    class Bf16Zero0:  # the attributes _do_optimizer_sanity_check reads
+        def get_data_types(self):
+            return torch.bfloat16, torch.bfloat16
+
+        def zero_optimization(self):
+            return False
+
+        pipeline_parallelism = False
+
+    assert DeepSpeedEngine._do_optimizer_sanity_check(Bf16Zero0(), torch.optim.AdamW([torch.zeros(1)])) == DDP_BFLOAT16
+    src = inspect.getsource(DeepSpeedEngine._configure_fp16_optimizer)
+    assert "use_fused_optimizer = isinstance(optimizer, fused_opts)" in src and "FP16_UnfusedOptimizer(" in src
+    assert "p.clone().float().detach()" in inspect.getsource(FP16_UnfusedOptimizer.__init__)
 
 
 @pytest.mark.parametrize("ds", ["zero1.json", "zero2.json"])

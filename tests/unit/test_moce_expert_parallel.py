@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import run_ranks
+from helpers import assert_grad_close, run_ranks
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.models.config import ConvConfig, MoEConfig
 from scaletrain.models.convattn import MoCEExperts
@@ -63,13 +63,13 @@ def _check(case: str, ctx: ParallelContext, rank: int) -> None:
     (y_ref, gz_ref), (y_ep, gz_ep) = _run(ref, z, pad, lang), _run(ep, z, pad, lang)
     torch.testing.assert_close(y_ep, y_ref, msg=f"{case}: output")
     torch.testing.assert_close(gz_ep, gz_ref, msg=f"{case}: input gradient")
-    torch.testing.assert_close(ep.router.weight.grad, ref.router.weight.grad, msg=f"{case}: router gradient")
+    assert_grad_close(ep.router.weight.grad, ref.router.weight.grad, msg=f"{case}: router gradient")
     for j in range(len(owners)):
         for name, plist_ep, plist_ref in (("weight", ep.weights, ref.weights), ("bias", ep.biases, ref.biases)):
             g_ref = plist_ref[j].grad if plist_ref[j].grad is not None else torch.zeros_like(plist_ref[j])
             dist.all_reduce(g_ref)  # the reference saw this rank's rows only; the owner sees both ranks'
             if j in mine:
-                torch.testing.assert_close(plist_ep[j].grad, g_ref, msg=f"{case}: expert {j} {name} gradient")
+                assert_grad_close(plist_ep[j].grad, g_ref, msg=f"{case}: expert {j} {name} gradient")
             else:
                 assert plist_ep[j].numel() == 0
 
@@ -103,12 +103,12 @@ def _check_model(ctx: ParallelContext, rank: int) -> None:
     for name, p in ep.named_parameters():
         g_ref = params[name].grad
         if getattr(p, "ep_owner", None) is None:
-            torch.testing.assert_close(p.grad, g_ref, msg=name)
+            assert_grad_close(p.grad, g_ref, msg=name)
         else:
             g_ref = g_ref.clone() if g_ref is not None else torch.zeros_like(params[name])
             dist.all_reduce(g_ref)
             if p.numel():
-                torch.testing.assert_close(p.grad, g_ref, msg=name)
+                assert_grad_close(p.grad, g_ref, msg=name)
 
 
 def _worker(rank, world):

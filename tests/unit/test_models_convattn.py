@@ -441,11 +441,10 @@ def test_moce_model_training_step_is_the_same_on_both_paths():
         torch.manual_seed(7)  # dropout 0 here, but keep any randomness aligned
         loss = m(tokens, tgt).log_softmax(-1)[..., 5].mean()
         res[dispatch] = [loss, *torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)]
-    for a, b in zip(res["dense"], res["routed"]):
-        if a is None:
-            assert b is None
-            continue
-        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)
+    names = ["loss", *(n for n, _ in m.named_parameters())]
+    for name, a, b in zip(names, res["dense"], res["routed"]):
+        assert a is not None and b is not None, f"{name}: no gradient"  # every parameter is reached on both paths
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10, msg=lambda msg, name=name: f"{name}: {msg}")
 
 
 def test_moce_dispatch_option_reaches_the_expert_bank_and_is_validated():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import run_ranks
+from helpers import assert_grad_close, run_ranks
 from scaletrain.models.config import MoEConfig
 from scaletrain.models.moe import MoEFeedForward
 from scaletrain.parallel import ParallelContext, build_parallel_context
@@ -66,13 +66,16 @@ def _check_case(case, moe, ctx, rank):
     for i, what in enumerate(("output", "input gradient", "aux loss")):
         torch.testing.assert_close(e[i], r[i], msg=f"{case}: {what}")
     assert e[3] == r[3], f"{case}: routed / dropped / per-expert counts"
-    torch.testing.assert_close(ep.router.weight.grad, ref.router.weight.grad, msg=f"{case}: router gradient")
-    if ep.shared is not None:
-        torch.testing.assert_close(ep.shared.fc1.weight.grad, ref.shared.fc1.weight.grad)
+    assert_grad_close(ep.router.weight.grad, ref.router.weight.grad, msg=f"{case}: router gradient")
+    if ep.shared is not None:  # the shared expert: a dense FFN, every parameter reached
+        ref_shared = dict(ref.shared.named_parameters())
+        for name, p in ep.shared.named_parameters():
+            assert_grad_close(p.grad, ref_shared[name].grad, msg=f"{case}: shared expert gradient {name}")
     for name, p in ep.experts.named_parameters():
         g_ref = getattr(ref.experts, name).grad
+        assert g_ref is not None, f"{case}: expert {name} of the one-process layer got no gradient"
         dist.all_reduce(g_ref)  # the reference saw only this rank's tokens; EP experts saw both ranks'
-        torch.testing.assert_close(p.grad, g_ref[mine], msg=f"{case}: expert gradient {name}")
+        assert_grad_close(p.grad, g_ref[mine], msg=f"{case}: expert gradient {name}")
     return e[3]
 
 
