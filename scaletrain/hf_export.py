@@ -282,6 +282,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32", eval_json=
     from scaletrain.checkpoint import load_checkpoint_vocab, load_model_weights, resolve_checkpoint
     from scaletrain.checkpoint_tools import DTYPES
     from scaletrain.config import from_dict
+    from scaletrain.fileio import default_mode
 
     if dtype not in DTYPES:
         raise ScaletrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -316,6 +317,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32", eval_json=
             {k: tok_cfg[k] for k in ("pad_token", "bos_token", "eos_token", "unk_token", "additional_special_tokens")},
             indent=1))
         (tmp / "README.md").write_text(model_card(cfg, langs, state.get("step"), ck, eval_json), encoding="utf-8")
+        default_mode(tmp)  # safetensors writes its file 0600: every file gets the mode open() gives (0644)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
