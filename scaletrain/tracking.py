@@ -50,6 +50,7 @@ log = logging.getLogger("scaletrain")
 __all__ = [
     "DEFAULT_EXPERIMENT",
     "EvaluationLogged",
+    "evaluation_runs",
     "Tracker",
     "RunComparison",
     "SyncReport",
@@ -57,6 +58,7 @@ __all__ = [
     "sync_run",
     "broadcast_run_id",
     "compare_runs",
+    "default_run_name",
     "default_tracking_uri",
     "flatten_params",
     "log_evaluation",
@@ -90,6 +92,22 @@ def resolve_tracking_uri(uri: str | None, project_dir) -> str:
     if env:
         return env
     return default_tracking_uri(project_dir)
+
+
+RUN_ID_FIELD = "{run_id}"  # in a run name: replaced by the run id's first 6 hex digits when the run starts
+
+
+def default_run_name(recipe: str, out_dir: str | os.PathLike, cwd: str | os.PathLike | None = None) -> str:
+    """``<recipe> · <out_dir> · {run_id}``: the recipe, the output directory (relative to ``cwd`` when inside
+    it, else its last two parts after ``...``) and a short id, so runs of one recipe differ at a glance
+    (MLflow's run list, ``scaletrain compare``)."""
+    out = Path(out_dir)
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    try:
+        shown = str(out.resolve().relative_to(base.resolve())) if out.is_absolute() else str(out)
+    except ValueError:
+        shown = str(out) if len(str(out)) <= 48 else str(Path("...", *out.parts[-2:]))
+    return f"{recipe} · {shown} · {RUN_ID_FIELD}"
 
 
 def _artifact_location(uri: str, project_dir) -> str | None:
@@ -581,6 +599,9 @@ class Tracker:
         run = self.client.create_run(eid, run_name=self.run_name, tags={k: str(v) for k, v in (tags or {}).items()})
         self.run_id = run.info.run_id
         self.run_name = run.info.run_name
+        if self.run_name and RUN_ID_FIELD in self.run_name:  # the short id is known only now
+            self.run_name = self.run_name.replace(RUN_ID_FIELD, self.run_id[:6])[:_MAX_KEY]
+            self.client.update_run(self.run_id, name=self.run_name)
         self._ended = False
         self._open_local("start")
         if params is not None:
@@ -601,6 +622,8 @@ class Tracker:
                         "the metrics when the server is back (or by `scaletrain tracking sync`)",
                         self.uri, why, run_id)
             self.run_id, self._ended = run_id, False
+            if self.run_name:  # the server has the name; a default one is known from the id
+                self.run_name = self.run_name.replace(RUN_ID_FIELD, run_id[:6])
             self._open_local("resume")
             return self.run_id
         try:
@@ -834,7 +857,7 @@ class EvaluationLogged:
     headline_kept: str | None = None  # else: the evaluation (name) whose numbers the training run keeps
 
 
-def _evaluation_runs(client, experiment_id: str, parent_run_id: str, name: str | None = None) -> list:
+def evaluation_runs(client, experiment_id: str, parent_run_id: str, name: str | None = None) -> list:
     """The nested evaluation runs of a training run (named ``name``, when given), newest first."""
     filt = f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`scaletrain.kind` = 'evaluation'"
     if name is not None:
@@ -897,7 +920,7 @@ def log_evaluation(uri: str | None, parent_run_id: str, name: str, *, tags: Mapp
         raise ScaletrainError(f"tracking: training run {parent_run_id} not found in {resolved} "
                               f"({e.message.splitlines()[0]})") from None
     eid = parent.info.experiment_id
-    earlier = [r.info.run_id for r in _evaluation_runs(client, eid, parent_run_id, name)]
+    earlier = [r.info.run_id for r in evaluation_runs(client, eid, parent_run_id, name)]
     ts = _now_ms()
     ms = [Metric(safe_key(k), float(v), ts, int(step)) for k, v in metrics.items()]
     rid = _nested_run(client, eid, parent, name, tags, ms, artifact_dir)

@@ -68,6 +68,8 @@ def _print_tracking(logged, spec) -> None:
         print(f"  replaced the earlier record of this same evaluation: run {', '.join(logged.replaced)} (deleted)")
     if logged.headline:
         print(f"  training run's own {', '.join(keys)} updated: this is its full {spec.split} evaluation")
+    elif spec.primary and not spec.headline:
+        print(f"  training run's own {spec.split}/* metrics left as they are: they are its in-training validation's")
     elif logged.headline_kept:
         print(f"  training run's own {spec.split}/* metrics kept: they are {logged.headline_kept}, of a later step")
     else:

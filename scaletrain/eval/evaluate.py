@@ -204,7 +204,7 @@ def mlflow_metrics(result: dict) -> dict[str, float]:
 def log_to_mlflow(result: dict, record: str | Path | None = None):
     """A run nested under the training run that wrote the checkpoint, named by the evaluation, with its
     scores and the record's files (``record``: :func:`write_record`'s directory) as artifacts; the training
-    run's own ``<split>/...`` metrics only when this is its full evaluation. None when the checkpoint names
+    run's own ``<split>/...`` metrics only when this is its full evaluation (:attr:`EvalSpec.headline`). None when the checkpoint names
     no training run. Returns :class:`scaletrain.tracking.EvaluationLogged`."""
     run_id = result.get("run_id")
     if not run_id:
@@ -215,6 +215,6 @@ def log_to_mlflow(result: dict, record: str | Path | None = None):
     t = result.get("tracking") or {}  # the recipe's tracking settings, as the training run used them
     return log_evaluation(
         t.get("uri") or None, run_id, spec.name, tags=spec.tags(), metrics=mlflow_metrics(result),
-        step=int(result.get("step") or 0), artifact_dir=record, headline=spec.primary,
+        step=int(result.get("step") or 0), artifact_dir=record, headline=spec.headline,
         headline_tag=headline_tag(spec.split), headline_metric=f"{spec.split}/bleu/all", project_dir=Path.cwd(),
     )

@@ -20,8 +20,8 @@ of tags (:meth:`EvalSpec.tags`), with the checkpoint and shard paths written out
 
 The run's *full* evaluation of a split is the one :attr:`EvalSpec.primary` marks: every line, the
 recipe's decoding settings, the training shards (what ``./launch.sh`` runs after training). Only a full
-evaluation updates the training run's headline metrics (``test/bleu/all``, ...); every evaluation,
-full or not, has its own record:
+evaluation updates the training run's headline metrics (``test/bleu/all``, ...; not for ``valid``, whose keys
+the in-training validation logs); every evaluation, full or not, has its own record:
 
 * files: ``RUN/eval/<name>/`` (``eval.json``, ``{src,ref,hyp}.<src>-<tgt>.txt``, ``scores.png`` + ``.json``),
   written beside and swapped in whole (:func:`scaletrain.fileio.replace_dir`);
@@ -52,6 +52,7 @@ __all__ = ["EvalSpec", "KIND_TAG", "EVALUATION", "TAG_PREFIX", "checkpoint_label
 KIND_TAG = "scaletrain.kind"  # on a nested evaluation run: "evaluation"
 EVALUATION = "evaluation"
 TAG_PREFIX = "scaletrain.eval."
+TRAINER_SPLITS = ("valid",)  # the trainer logs valid/bleu/<direction> itself (in-training validation)
 _STEP_DIR = re.compile(r"^step-0*(\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -109,6 +110,12 @@ class EvalSpec:
     def primary(self) -> bool:
         """The run's full evaluation of this split: every line, the recipe's settings, the training shards."""
         return self.full and self.recipe_decoding and not self.shards_label
+
+    @property
+    def headline(self) -> bool:
+        """Whether its scores also become the training run's own ``<split>/...`` metrics: the full evaluation,
+        of a split whose keys the trainer does not log itself (its in-training validation logs ``valid/...``)."""
+        return self.primary and self.split not in TRAINER_SPLITS
 
     @property
     def lines_label(self) -> str:
