@@ -347,6 +347,7 @@ def _curve_panels(axes, runs: list[RunData], colors, unit: str) -> None:
     from scaletrain.plots import CURVE_TITLES, STEP_LABEL, curve_labels
 
     ylabels = curve_labels(unit)
+    bases = {r.metrics.get(BASELINE_KEY) for r in runs} - {None}
     for ax, key in zip(axes, CURVES):
         for r, c in zip(runs, colors):
             h = r.histories.get(key)
@@ -354,8 +355,10 @@ def _curve_panels(axes, runs: list[RunData], colors, unit: str) -> None:
                 ax.plot([s for s, _ in h], [v for _, v in h], color=c, marker="." if len(h) < 30 else None,
                         label=r.label)
             base = r.metrics.get(BASELINE_KEY)
-            if key == "valid/nll" and base is not None:
+            if key == "valid/nll" and base is not None and len(bases) > 1:  # runs on different shards
                 ax.axhline(base, color=c, linestyle="--", linewidth=1, label=f"target-unigram NLL ({r.label})")
+        if key == "valid/nll" and len(bases) == 1:
+            ax.axhline(bases.pop(), color="gray", linestyle="--", linewidth=1, label="target-unigram NLL (every run)")
         if not any(r.histories.get(key) for r in runs):
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
         ax.set_title(f"{CURVE_TITLES[key]} by update")
@@ -369,7 +372,7 @@ def _chrf_panel(ax, runs: list[RunData], colors, chosen: list[Evaluation | None]
 
     bw = 0.8 / max(len(runs), 1)
     vals = [[e.metrics.get(f"test/chrf/{g}") if e else None for g in groups] for e in chosen]
-    top = max([v for row in vals for v in row if v is not None] + [1.0]) * 1.3
+    top = max([v for row in vals for v in row if v is not None] + [0.0]) * 1.3 or 1.0
     for i, (c, row) in enumerate(zip(colors, vals)):
         xs = [g + (i - (len(runs) - 1) / 2) * bw for g in range(len(groups))]
         ax.bar([x for x, v in zip(xs, row) if v is not None], [v for v in row if v is not None], bw, color=c,
@@ -412,7 +415,7 @@ def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: floa
     labels = [r.label + (f"   (bars: {e.name})" if e else f"   (test: {NOT_EVALUATED})") if groups else r.label
               for r, e in zip(runs, chosen)]
     handles.append(Line2D([], [], color="gray", linestyle="--"))
-    labels.append("dashed: the run's target-unigram NLL (validation split)")
+    labels.append("dashed: target-unigram NLL of the validation split (a model that ignores the source)")
     rows = len(labels)
     fig.legend(handles, labels, loc="lower center", fontsize="small", ncol=1, frameon=False)
     fig.tight_layout(rect=(0, min(0.6, (0.22 * rows + 0.1) / height), 1, 1))

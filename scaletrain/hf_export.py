@@ -186,15 +186,16 @@ def generation_config(model_cfg, langs: list[str]) -> dict:
 def _metrics_section(eval_json: str | Path | None) -> str:
     if eval_json is None:
         return ("No evaluation was attached (`scaletrain export --format hf --eval-json FILE` takes the JSON "
-                "written by `scaletrain evaluate --json FILE`).\n")
+                "`scaletrain evaluate` writes to `RUN/eval/<name>/eval.json`, or to `--json FILE`).\n")
     try:
         r = json.loads(Path(eval_json).read_text(encoding="utf-8"))
         m = r["model"]
         rows = m["directions"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ScaletrainError(f"--eval-json {eval_json}: not a `scaletrain evaluate --json` report ({e})") from None
-    lines = [f"Split `{r.get('split')}` of `{r.get('shards')}`, beam {r.get('beam')}, length penalty "
-             f"{r.get('lenpen')}, checkpoint step {r.get('step')} (scored with the scaletrain model; "
+    named = f"Evaluation `{r['name']}`: " if r.get("name") else ""
+    lines = [f"{named}Split `{r.get('split')}` of `{r.get('shards')}`, {r.get('lines')} lines, beam {r.get('beam')}, "
+             f"length penalty {r.get('lenpen')}, checkpoint step {r.get('step')} (scored with the scaletrain model; "
              "sacrebleu " + str(m.get("sacrebleu_version")) + ").", "",
              "| direction | lines | BLEU | chrF | BLEU tokenizer |", "|---|---:|---:|---:|---|"]
     for d in rows:

@@ -112,10 +112,12 @@ def plot_learning_curves(run_dir: str | os.PathLike, path: str | os.PathLike | N
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabels[key])
             ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[1]:
-                ax.legend(fontsize="x-small", loc="upper right")
+    if baseline is not None:  # below the panels, where it hides no point
+        ref = [ln for ln in axes[0][0].get_lines() if ln.get_label().startswith("target-unigram")]
+        fig.legend(ref, [f"target-unigram NLL of the validation split ({baseline:.2f} nats): what a model that "
+                         "ignores the source scores"], loc="lower center", fontsize="small", frameon=False)
     fig.suptitle(f"learning curves: {title}" if title else "learning curves")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03 if baseline is not None else 0, 1, 1))
     out = Path(path) if path is not None else Path(run_dir) / "plots" / "learning_curves.png"
     data = {k: [{"step": s, "minutes": m, "value": v} for s, m, v in pts] for k, pts in series.items()}
     data[BASELINE_KEY] = baseline

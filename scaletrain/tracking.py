@@ -25,6 +25,15 @@ matching metrics by (key, step, timestamp) so nothing is sent twice, and applies
 For HTTP stores, MLflow's own retries (7, backoff up to 120 s) are turned off in this process unless
 ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set: the sender retries itself.
 
+Run names: the trainer names a run ``<recipe> · <out_dir> · <short id>`` (:func:`default_run_name`; the
+``{run_id}`` field of a name becomes the first 6 hex digits of the run id when the run is created), so runs
+of one recipe differ in MLflow's run list and in ``scaletrain compare``; a resumed run keeps its name.
+
+Evaluations (:func:`log_evaluation`): each ``scaletrain evaluate`` is a run nested under the training run,
+named by what it evaluated (:mod:`scaletrain.eval.records` says why); only the run's full evaluation also
+writes the training run's own ``<split>/...`` metrics. These are one-shot writes from a command that has
+already waited for its decoding, so they go to the store directly, not through the background sender.
+
 Metric and parameter names are made MLflow-safe: ``->`` becomes ``-`` (``bleu/xx->en`` -> ``bleu/xx-en``),
 any other character outside ``[A-Za-z0-9_./ :-]`` becomes ``_``.
 """

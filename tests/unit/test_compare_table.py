@@ -138,13 +138,16 @@ def test_plot_reads_alone(tmp_path):
     assert loss["xlabel"] == nll["xlabel"] == "update"
     assert "nats / target byte" in loss["ylabel"] and nll["ylabel"] == "validation NLL (nats / target byte)"
     assert bars["ylabel"].startswith("chrF") and bars["title"] == "test chrF per group"
-    assert sum(label.startswith("target-unigram NLL") for label in nll["lines"]) == 3
+    assert nll["lines"].count("target-unigram NLL (every run)") == 1  # the same shards: one line
     assert bars["texts"].count("not evaluated") == 2 and bars["texts"].count("0") == 2  # groups: all, xx2en
     assert all(not a["legend"] for a in fig["axes"])  # no legend inside a panel
     legend = fig["legend"]
     assert any(FULL in e and evaluated.label in e for e in legend) and any(SUBSET in e for e in legend)
     assert any(missing.label in e and "not evaluated" in e for e in legend)
-    # the bars: one filled bar per group for the evaluated runs (zero-height included), hatched for the missing one
+    missing.metrics["baseline/unigram_valid_nll"] = 4.0  # other shards: one dashed line per run
+    with Image.open(plot_comparison([evaluated, zero, missing], tmp_path / "d.png")) as im:
+        nll = json.loads(im.text["Description"])["axes"][1]
+    assert sum(label.startswith("target-unigram NLL (") for label in nll["lines"]) == 3
     from scaletrain.compare import _bar_groups
 
     assert _bar_groups([evaluated.evaluation("test")]) == ["all", "xx2en"]  # halves of groups are left out
