@@ -79,6 +79,13 @@ def test_replace_dir_swaps_in_whole(tmp_path):
     replace_dir(new, old)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
     assert sorted(p.name for p in old.iterdir()) == ["a.txt"] and (old / "a.txt").read_text() == "new"
+    if os.uname().sysname == "Linux":  # the kernel swaps the two names in one step
+        from scaletrain.fileio import _exchange
+
+        (tmp_path / "p").mkdir()
+        (tmp_path / "q").write_text("q")
+        assert _exchange(tmp_path / "p", tmp_path / "q")
+        assert (tmp_path / "p").read_text() == "q" and (tmp_path / "q").is_dir()
     fresh = tmp_path / ".x"
     fresh.mkdir()
     replace_dir(fresh, tmp_path / "x")  # nothing there yet
