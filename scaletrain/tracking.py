@@ -119,6 +119,17 @@ def default_run_name(recipe: str, out_dir: str | os.PathLike, cwd: str | os.Path
     return f"{recipe} · {shown} · {RUN_ID_FIELD}"
 
 
+def _name_from_id(client, run_id: str) -> str:
+    """The run's name, with a ``{run_id}`` field still in it (on the server) filled in. The trainer renames its
+    run right after creating it; in one of many runs the server was seen to keep the name it was created with,
+    so the end of a job and a resume check it once more."""
+    name = client.get_run(run_id).info.run_name or ""
+    if RUN_ID_FIELD in name:
+        name = name.replace(RUN_ID_FIELD, run_id[:6])[:_MAX_KEY]
+        client.update_run(run_id, name=name)
+    return name
+
+
 def _artifact_location(uri: str, project_dir) -> str | None:
     """Artifact root for a new experiment: next to a SQLite database file (``<db dir>/mlartifacts``, which
     is ``<project_dir>/mlartifacts`` for the default store), ``<project_dir>/mlartifacts`` for an in-memory
@@ -570,6 +581,7 @@ class Tracker:
         elif kind == "dict":
             c.log_dict(run_id, payload[1], payload[2])
         elif kind == "end":
+            _name_from_id(c, run_id)
             c.set_terminated(run_id, status=payload[1], end_time=payload[2])
         else:  # pragma: no cover
             raise AssertionError(kind)
@@ -642,7 +654,7 @@ class Tracker:
                 f"tracking: cannot resume run {run_id!r}: not found in {self.uri} ({e.message.splitlines()[0]})"
             ) from None
         self.run_id = run.info.run_id
-        self.run_name = run.info.run_name
+        self.run_name = _name_from_id(self.client, self.run_id)
         self.experiment_id = run.info.experiment_id
         self._ended = False
         if run.info.status != "RUNNING":

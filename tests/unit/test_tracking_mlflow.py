@@ -197,6 +197,18 @@ def test_run_names_carry_recipe_out_dir_and_short_id(tmp_path, template_db):
     tr2.resume(rid)  # a resumed run keeps its name
     tr2.end()
     assert MlflowClient(tracking_uri=db_uri(tmp_path)).get_run(rid).info.run_name == names[-1] == tr2.run_name
+    # a run whose server-side name kept the field gets it filled in at its end (and at a resume)
+    c = MlflowClient(tracking_uri=db_uri(tmp_path))
+    tr4 = T.Tracker(None, "exp", "small · runs/c · {run_id}", True, tmp_path)
+    rid4 = tr4.start()
+    c.update_run(rid4, name="small · runs/c · {run_id}")
+    tr4.end()
+    assert c.get_run(rid4).info.run_name == f"small · runs/c · {rid4[:6]}"
+    c.update_run(rid4, name="small · runs/c · {run_id}")
+    tr5 = T.Tracker(None, "exp", None, True, tmp_path)
+    tr5.resume(rid4)
+    assert c.get_run(rid4).info.run_name == f"small · runs/c · {rid4[:6]}" == tr5.run_name
+    tr5.end()
     tr3 = T.Tracker(None, "exp", "plain {name}", True, tmp_path)  # a name without the field is left alone
     rid3 = tr3.start()
     tr3.end()
