@@ -329,11 +329,12 @@ def plot_eval_scores(eval_json: dict, path: str | os.PathLike, *, dpi: int = 100
     axes[1].set_xticks(x, data["groups"], rotation=30, ha="right")
     axes[1].set_xlabel("language group (mean over its directions)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=2, fontsize="small", bbox_to_anchor=(0.5, 0.935),
+    fig.legend(handles, labels, loc="upper center", ncol=2, fontsize="small", bbox_to_anchor=(0.5, 0.915),
                frameon=False)
-    fig.suptitle(f"evaluation {data['name']}\n{data['description']}" if data["name"] else data["description"],
-                 fontsize="medium")
-    fig.tight_layout(rect=(0, 0, 1, 0.925))
+    title = [f"evaluation {data['name']}" if data["name"] else "", data["description"],
+             f"checkpoint {data['checkpoint']}" if data["checkpoint"] else ""]
+    fig.suptitle("\n".join(t for t in title if t), fontsize="medium")
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     out = _save(fig, Path(path), data, dpi)
     plt.close(fig)
     return out

@@ -74,7 +74,8 @@ def test_eval_scores_title_names_what_was_evaluated(tmp_path):
     data = json.loads(png.with_suffix(".json").read_text())
     fig = data["figure"]
     assert fig["title"] == ("evaluation test.first5.beam4.lp1.0.step1200\n"
-                            "test, first 5 lines per direction (140), beam 4, lenpen 1.0, max_len 4x+200, step 1200")
+                            "test, first 5 lines per direction (140), beam 4, lenpen 1.0, max_len 4x+200, step 1200\n"
+                            "checkpoint ck")
     bleu, chrf = fig["axes"]
     assert bleu["ylabel"] == "BLEU (sacreBLEU, 0-100)" and chrf["ylabel"] == "chrF (sacreBLEU, 0-100)"
     assert chrf["xlabel"] == "language group (mean over its directions)"
@@ -84,4 +85,4 @@ def test_eval_scores_title_names_what_was_evaluated(tmp_path):
     # an older evaluation JSON (no name) still gets a title that says what it was
     old = plot_eval_scores(_eval_json(with_spec=False), tmp_path / "old.png")
     title = json.loads(old.with_suffix(".json").read_text())["figure"]["title"]
-    assert title == "test, 140 lines, beam 4, lenpen 1.0, step 1200"
+    assert title == "test, 140 lines, beam 4, lenpen 1.0, step 1200\ncheckpoint ck"
