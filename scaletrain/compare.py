@@ -100,7 +100,8 @@ class RunData:
 
     def evaluation(self, split: str, pattern: str | None = None) -> Evaluation | None:
         """The evaluation of ``split`` whose scores stand for the run (see the module docstring)."""
-        cands = [e for e in self.evaluations if e.split == split and (pattern is None or fnmatch.fnmatchcase(e.name, pattern))]
+        cands = [e for e in self.evaluations
+                 if e.split == split and (pattern is None or fnmatch.fnmatchcase(e.name, pattern))]
         return max(cands, key=Evaluation.rank) if cands else None
 
 

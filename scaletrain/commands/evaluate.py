@@ -80,7 +80,8 @@ def _print_tracking(logged, spec) -> None:
 def run(args) -> int:
     import torch
 
-    from scaletrain.eval.evaluate import evaluate_checkpoint, log_to_mlflow, result_to_json, run_dir_of, spec_of, write_record
+    from scaletrain.eval.evaluate import (evaluate_checkpoint, log_to_mlflow, result_to_json, run_dir_of, spec_of,
+                                          write_record)
     from scaletrain.eval.scoring import format_table
 
     result = evaluate_checkpoint(

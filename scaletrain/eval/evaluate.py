@@ -204,8 +204,8 @@ def mlflow_metrics(result: dict) -> dict[str, float]:
 def log_to_mlflow(result: dict, record: str | Path | None = None):
     """A run nested under the training run that wrote the checkpoint, named by the evaluation, with its
     scores and the record's files (``record``: :func:`write_record`'s directory) as artifacts; the training
-    run's own ``<split>/...`` metrics only when this is its full evaluation (:attr:`EvalSpec.headline`). None when the checkpoint names
-    no training run. Returns :class:`scaletrain.tracking.EvaluationLogged`."""
+    run's own ``<split>/...`` metrics only when this is its full evaluation (:attr:`EvalSpec.headline`).
+    None when the checkpoint names no training run. Returns :class:`scaletrain.tracking.EvaluationLogged`."""
     run_id = result.get("run_id")
     if not run_id:
         return None
