@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.fileio import atomic_write_text, sha256_file
+from scaletrain.fileio import atomic_write_text, default_mode, sha256_file
 from scaletrain.safeload import safe_torch_load
 
 TAG_RE = re.compile(r"^step-(\d+)$")
@@ -49,7 +49,9 @@ def _looks_like_io_error(e: RuntimeError) -> bool:
 
 
 def write_index(ckpt_dir: Path) -> None:
-    """Record every file of ``ckpt_dir`` (sha256, bytes) in ``index.json``, written last and atomically."""
+    """Record every file of ``ckpt_dir`` (sha256, bytes) in ``index.json``, written last and atomically.
+    Files a library wrote 0600 (Accelerate's ``model.safetensors``) get the mode ``open()`` gives first."""
+    default_mode(ckpt_dir)
     files = {}
     for p in sorted(ckpt_dir.rglob("*")):
         if p.is_file() and p.name != INDEX and not p.name.startswith("."):

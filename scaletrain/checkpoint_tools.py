@@ -20,6 +20,7 @@ import yaml
 
 from scaletrain.checkpoint import TAG_RE, atomic_write_text, copy_vocab_files, load_model_weights, resolve_checkpoint
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import default_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +37,7 @@ def _save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[st
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     # contiguous, unshared copies: safetensors refuses tensors that share storage
     save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp), metadata=metadata)
+    default_mode(tmp)  # safetensors creates it 0600
     os.replace(tmp, path)
 
 

@@ -134,7 +134,7 @@ class TrackingConfig:
     enabled: bool = True
     uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else a local store in the project directory
     experiment: str = "scaletrain"
-    run_name: str = ""
+    run_name: str = ""  # empty: "<recipe> · <out_dir> · <short id>"; "{run_id}" in a name becomes the short id
     end_timeout: float = 30.0  # seconds the end of a job waits for an unreachable server (then: tracking sync)
     peak_tflops: float = 0.0  # MFU peak per device; 0 = the GPU table, or the measured GEMM peak on CPU
     system_metrics: bool = True  # CPU/memory/disk/network/GPU per node (local rank 0 of each node)

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import default_mode
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md"]
 
@@ -92,6 +93,7 @@ def export_ct2(ckpt: str | Path, out: str | Path, *, quantization: str | None = 
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
         hf = export_hf(ckpt, Path(tmp) / "hf", eval_json=eval_json)
         conv = convert_hf_dir(hf, Path(tmp) / "ct2", quantization=quantization)
+        default_mode(conv)
         if out.exists():
             shutil.rmtree(out)
         os.replace(conv, out)

@@ -186,15 +186,16 @@ def generation_config(model_cfg, langs: list[str]) -> dict:
 def _metrics_section(eval_json: str | Path | None) -> str:
     if eval_json is None:
         return ("No evaluation was attached (`scaletrain export --format hf --eval-json FILE` takes the JSON "
-                "written by `scaletrain evaluate --json FILE`).\n")
+                "`scaletrain evaluate` writes to `RUN/eval/<name>/eval.json`, or to `--json FILE`).\n")
     try:
         r = json.loads(Path(eval_json).read_text(encoding="utf-8"))
         m = r["model"]
         rows = m["directions"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ScaletrainError(f"--eval-json {eval_json}: not a `scaletrain evaluate --json` report ({e})") from None
-    lines = [f"Split `{r.get('split')}` of `{r.get('shards')}`, beam {r.get('beam')}, length penalty "
-             f"{r.get('lenpen')}, checkpoint step {r.get('step')} (scored with the scaletrain model; "
+    named = f"Evaluation `{r['name']}`: " if r.get("name") else ""
+    lines = [f"{named}Split `{r.get('split')}` of `{r.get('shards')}`, {r.get('lines')} lines, beam {r.get('beam')}, "
+             f"length penalty {r.get('lenpen')}, checkpoint step {r.get('step')} (scored with the scaletrain model; "
              "sacrebleu " + str(m.get("sacrebleu_version")) + ").", "",
              "| direction | lines | BLEU | chrF | BLEU tokenizer |", "|---|---:|---:|---:|---|"]
     for d in rows:
@@ -282,6 +283,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32", eval_json=
     from scaletrain.checkpoint import load_checkpoint_vocab, load_model_weights, resolve_checkpoint
     from scaletrain.checkpoint_tools import DTYPES
     from scaletrain.config import from_dict
+    from scaletrain.fileio import default_mode
 
     if dtype not in DTYPES:
         raise ScaletrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -316,6 +318,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32", eval_json=
             {k: tok_cfg[k] for k in ("pad_token", "bos_token", "eos_token", "unk_token", "additional_special_tokens")},
             indent=1))
         (tmp / "README.md").write_text(model_card(cfg, langs, state.get("step"), ck, eval_json), encoding="utf-8")
+        default_mode(tmp)  # safetensors writes its file 0600: every file gets the mode open() gives (0644)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -25,6 +25,15 @@ matching metrics by (key, step, timestamp) so nothing is sent twice, and applies
 For HTTP stores, MLflow's own retries (7, backoff up to 120 s) are turned off in this process unless
 ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set: the sender retries itself.
 
+Run names: the trainer names a run ``<recipe> · <out_dir> · <short id>`` (:func:`default_run_name`; the
+``{run_id}`` field of a name becomes the first 6 hex digits of the run id when the run is created), so runs
+of one recipe differ in MLflow's run list and in ``scaletrain compare``; a resumed run keeps its name.
+
+Evaluations (:func:`log_evaluation`): each ``scaletrain evaluate`` is a run nested under the training run,
+named by what it evaluated (:mod:`scaletrain.eval.records` says why); only the run's full evaluation also
+writes the training run's own ``<split>/...`` metrics. These are one-shot writes from a command that has
+already waited for its decoding, so they go to the store directly, not through the background sender.
+
 Metric and parameter names are made MLflow-safe: ``->`` becomes ``-`` (``bleu/xx->en`` -> ``bleu/xx-en``),
 any other character outside ``[A-Za-z0-9_./ :-]`` becomes ``_``.
 """
@@ -49,6 +58,8 @@ log = logging.getLogger("scaletrain")
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
+    "EvaluationLogged",
+    "evaluation_runs",
     "Tracker",
     "RunComparison",
     "SyncReport",
@@ -56,8 +67,10 @@ __all__ = [
     "sync_run",
     "broadcast_run_id",
     "compare_runs",
+    "default_run_name",
     "default_tracking_uri",
     "flatten_params",
+    "log_evaluation",
     "node_layout",
     "resolve_tracking_uri",
     "safe_key",
@@ -88,6 +101,33 @@ def resolve_tracking_uri(uri: str | None, project_dir) -> str:
     if env:
         return env
     return default_tracking_uri(project_dir)
+
+
+RUN_ID_FIELD = "{run_id}"  # in a run name: replaced by the run id's first 6 hex digits when the run starts
+
+
+def default_run_name(recipe: str, out_dir: str | os.PathLike, cwd: str | os.PathLike | None = None) -> str:
+    """``<recipe> · <out_dir> · {run_id}``: the recipe, the output directory (relative to ``cwd`` when inside
+    it, else its last two parts after ``...``) and a short id, so runs of one recipe differ at a glance
+    (MLflow's run list, ``scaletrain compare``)."""
+    out = Path(out_dir)
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    try:
+        shown = str(out.resolve().relative_to(base.resolve())) if out.is_absolute() else str(out)
+    except ValueError:
+        shown = str(out) if len(str(out)) <= 48 else str(Path("...", *out.parts[-2:]))
+    return f"{recipe} · {shown} · {RUN_ID_FIELD}"
+
+
+def _name_from_id(client, run_id: str) -> str:
+    """The run's name, with a ``{run_id}`` field still in it (on the server) filled in. The trainer renames its
+    run right after creating it; in one of many runs the server was seen to keep the name it was created with,
+    so the end of a job and a resume check it once more."""
+    name = client.get_run(run_id).info.run_name or ""
+    if RUN_ID_FIELD in name:
+        name = name.replace(RUN_ID_FIELD, run_id[:6])[:_MAX_KEY]
+        client.update_run(run_id, name=name)
+    return name
 
 
 def _artifact_location(uri: str, project_dir) -> str | None:
@@ -541,6 +581,7 @@ class Tracker:
         elif kind == "dict":
             c.log_dict(run_id, payload[1], payload[2])
         elif kind == "end":
+            _name_from_id(c, run_id)
             c.set_terminated(run_id, status=payload[1], end_time=payload[2])
         else:  # pragma: no cover
             raise AssertionError(kind)
@@ -579,6 +620,9 @@ class Tracker:
         run = self.client.create_run(eid, run_name=self.run_name, tags={k: str(v) for k, v in (tags or {}).items()})
         self.run_id = run.info.run_id
         self.run_name = run.info.run_name
+        if self.run_name and RUN_ID_FIELD in self.run_name:  # the short id is known only now
+            self.run_name = self.run_name.replace(RUN_ID_FIELD, self.run_id[:6])[:_MAX_KEY]
+            self.client.update_run(self.run_id, name=self.run_name)
         self._ended = False
         self._open_local("start")
         if params is not None:
@@ -599,6 +643,8 @@ class Tracker:
                         "the metrics when the server is back (or by `scaletrain tracking sync`)",
                         self.uri, why, run_id)
             self.run_id, self._ended = run_id, False
+            if self.run_name:  # the server has the name; a default one is known from the id
+                self.run_name = self.run_name.replace(RUN_ID_FIELD, run_id[:6])
             self._open_local("resume")
             return self.run_id
         try:
@@ -608,7 +654,7 @@ class Tracker:
                 f"tracking: cannot resume run {run_id!r}: not found in {self.uri} ({e.message.splitlines()[0]})"
             ) from None
         self.run_id = run.info.run_id
-        self.run_name = run.info.run_name
+        self.run_name = _name_from_id(self.client, self.run_id)
         self.experiment_id = run.info.experiment_id
         self._ended = False
         if run.info.status != "RUNNING":
@@ -810,6 +856,110 @@ class Tracker:
             return
         dest.write_text(text, encoding="utf-8")
         self.log_artifact(dest, str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluations: one nested run each (scaletrain.eval.records explains the design)
+
+
+@dataclass
+class EvaluationLogged:
+    """Where :func:`log_evaluation` wrote."""
+
+    uri: str
+    experiment_id: str
+    parent_run_id: str
+    parent_run_name: str
+    run_id: str  # the evaluation's nested run
+    run_name: str
+    metric_keys: list[str]
+    replaced: list[str]  # earlier nested runs of the same evaluation, now deleted
+    headline: bool  # the training run's own metrics were updated
+    headline_kept: str | None = None  # else: the evaluation (name) whose numbers the training run keeps
+
+
+def evaluation_runs(client, experiment_id: str, parent_run_id: str, name: str | None = None) -> list:
+    """The nested evaluation runs of a training run (named ``name``, when given), newest first."""
+    filt = f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`scaletrain.kind` = 'evaluation'"
+    if name is not None:
+        filt += f" and tags.`scaletrain.eval.name` = '{name}'"
+    return client.search_runs([experiment_id], filter_string=filt, max_results=1000,
+                              order_by=["attributes.start_time DESC"])
+
+
+def _headline_step(client, run_id: str, metric: str) -> int | None:
+    hist = client.get_metric_history(run_id, safe_key(metric))
+    return max(m.step for m in hist) if hist else None
+
+
+def _nested_run(client, experiment_id: str, parent, name: str, tags: Mapping[str, str], metrics: list,
+                artifact_dir) -> str:
+    """Create the nested run, fill it and mark it FINISHED (FAILED if filling it failed)."""
+    from mlflow.entities import Param
+
+    run = client.create_run(experiment_id, run_name=name,
+                            tags={**{safe_key(k): str(v)[:_MAX_TAG_VAL] for k, v in tags.items()},
+                                  "mlflow.parentRunId": parent.info.run_id})
+    rid = run.info.run_id
+    try:
+        params = [Param(safe_key(k), str(v)[:_MAX_PARAM_VAL]) for k, v in tags.items() if k != "scaletrain.kind"]
+        for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
+            client.log_batch(rid, params=params[i : i + _MAX_PARAMS_PER_BATCH])
+        for i in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
+            client.log_batch(rid, metrics=metrics[i : i + _MAX_METRICS_PER_BATCH])
+        if artifact_dir is not None and Path(artifact_dir).is_dir():
+            client.log_artifacts(rid, str(artifact_dir))
+    except BaseException:
+        client.set_terminated(rid, status="FAILED")
+        raise
+    client.set_terminated(rid, status="FINISHED")
+    return rid
+
+
+def log_evaluation(uri: str | None, parent_run_id: str, name: str, *, tags: Mapping[str, str],
+                   metrics: Mapping[str, float], step: int, artifact_dir: str | os.PathLike | None = None,
+                   headline: bool = False, headline_tag: str = "", headline_metric: str = "",
+                   project_dir: str | os.PathLike = ".") -> EvaluationLogged:
+    """Record one evaluation in MLflow as a run nested under the training run ``parent_run_id`` (same
+    store and experiment), named ``name``, tagged (and with params) ``tags``, with ``metrics`` at ``step``
+    and the files of ``artifact_dir``. An earlier nested run of the same name (the same evaluation run
+    again) is deleted once the new one is complete; no other record is touched.
+
+    With ``headline`` (the run's full evaluation) the training run gets ``metrics`` too, and the tags
+    ``headline_tag`` = ``name``, ``<headline_tag>.run_id``, ``<headline_tag>.step``, unless its
+    ``headline_metric`` already holds a later step (the full evaluation of a later checkpoint stays).
+    The training run's status is left as it is."""
+    from mlflow.entities import Metric, RunTag
+    from mlflow.exceptions import MlflowException
+
+    resolved = resolve_tracking_uri(uri, project_dir)
+    _fast_failing_http(resolved)
+    client = _client(resolved)
+    try:
+        parent = client.get_run(parent_run_id)
+    except MlflowException as e:
+        raise ScaletrainError(f"tracking: training run {parent_run_id} not found in {resolved} "
+                              f"({e.message.splitlines()[0]})") from None
+    eid = parent.info.experiment_id
+    earlier = [r.info.run_id for r in evaluation_runs(client, eid, parent_run_id, name)]
+    ts = _now_ms()
+    ms = [Metric(safe_key(k), float(v), ts, int(step)) for k, v in metrics.items()]
+    rid = _nested_run(client, eid, parent, name, tags, ms, artifact_dir)
+    for old in earlier:
+        client.delete_run(old)
+    kept = None
+    if headline:
+        latest = _headline_step(client, parent_run_id, headline_metric) if headline_metric else None
+        if latest is not None and latest > int(step):
+            kept = parent.data.tags.get(headline_tag, f"an evaluation of step {latest}")
+        else:
+            hs = [RunTag(headline_tag, name), RunTag(f"{headline_tag}.run_id", rid),
+                  RunTag(f"{headline_tag}.step", str(int(step)))]
+            for i in range(0, len(ms), _MAX_METRICS_PER_BATCH):
+                client.log_batch(parent_run_id, metrics=ms[i : i + _MAX_METRICS_PER_BATCH])
+            client.log_batch(parent_run_id, tags=hs)
+    return EvaluationLogged(resolved, eid, parent_run_id, parent.info.run_name or "", rid, name,
+                            sorted(m.key for m in ms), earlier, headline and kept is None, kept)
 
 
 # ----------------------------------------------------------------------------------------------

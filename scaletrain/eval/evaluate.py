@@ -1,10 +1,18 @@
 """Evaluate a checkpoint: decode every line of a split, score BLEU/chrF per direction and group.
 
 A copy-the-source baseline is scored on the same lines (``scaletrain evaluate`` prints it beside the
-model); :func:`log_to_mlflow` adds the scores to the run that trained the checkpoint.
+model). Each evaluation is named by what it evaluated (:mod:`scaletrain.eval.records`: split, lines,
+beam, length penalty, length limit, step) and recorded under that name: :func:`write_record` writes
+``RUN/eval/<name>/`` and :func:`log_to_mlflow` a run nested under the training run; only the run's full
+evaluation of a split (every line, the recipe's settings) updates the training run's own ``<split>/...``
+metrics, so a subset or a differently decoded evaluation never replaces it.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -12,35 +20,59 @@ from scaletrain.checkpoint import load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
 from scaletrain.eval.generate import translate_examples
+from scaletrain.eval.in_training import first_n_per_direction
+from scaletrain.eval.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
 from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions
 
+log = logging.getLogger("scaletrain")
 
-def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None, max_lines=0, device="cpu",
-                        progress=True) -> dict:
-    model, cfg, vocab, trainer_state, ckpt = load_for_inference(path, device)
-    ec = cfg.eval
-    split = split or ec.split
-    shards = shards or cfg.data.shards
+RESULT_FILE = "eval.json"
+PLOT_FILE = "scores.png"
+
+
+def _examples(shards, split: str, langs, max_lines: int):
+    """(the first ``max_lines`` lines of each direction of the split, whether that is every line)."""
     manifest = load_manifest(shards)
-    if manifest.languages != vocab.langs:
+    if manifest.languages != langs:
         raise ScaletrainError(
-            f"{shards}: its languages {manifest.languages} differ from the model's {vocab.langs}; "
+            f"{shards}: its languages {manifest.languages} differ from the model's {langs}; "
             "evaluate on shards prepared with the same language list"
         )
     examples = read_split(shards, split)
     if not examples:
         raise ScaletrainError(f"{shards}: split '{split}' is empty")
-    if max_lines:
-        seen: dict[tuple[int, int], int] = {}
-        kept = []
-        for ex in examples:
-            k = (ex.src_lang, ex.tgt_lang)
-            if seen.get(k, 0) < max_lines:
-                kept.append(ex)
-                seen[k] = seen.get(k, 0) + 1
-        examples = kept
+    kept = first_n_per_direction(examples, max_lines)
+    return kept, len(kept) == len(examples)
+
+
+def _spec(cfg, ckpt, trainer_state, *, split, shards, lines, max_lines, full, beam, lenpen, max_len) -> EvalSpec:
+    ec = cfg.eval
+    recipe_max_len = (float(max_len[0]), int(max_len[1])) == (float(ec.max_len_a), int(ec.max_len_b))
+    step = trainer_state.get("step")
+    return EvalSpec(
+        split=split, lines=lines, max_lines=max_lines if not full else 0, full=full, beam=int(beam),
+        lenpen=float(lenpen), max_len_a=float(max_len[0]), max_len_b=int(max_len[1]), recipe_max_len=recipe_max_len,
+        recipe_decoding=recipe_max_len and int(beam) == int(ec.beam) and float(lenpen) == float(ec.lenpen),
+        step=int(step) if step not in (None, "") else None, checkpoint=str(ckpt), checkpoint_label=checkpoint_label(ckpt),
+        shards=str(shards), shards_label=shards_label(str(shards), str(cfg.data.shards)),
+    )
+
+
+def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None, max_lines=0, max_len_a=None,
+                        max_len_b=None, device="cpu", progress=True) -> dict:
+    """Decode ``split`` (default: the recipe's ``eval.split``) of the checkpoint and score it; decoding
+    settings default to the recipe's ``eval`` section. The result's ``evaluation`` describes what was
+    evaluated (:class:`~scaletrain.eval.records.EvalSpec`), ``name`` names it."""
+    model, cfg, vocab, trainer_state, ckpt = load_for_inference(path, device)
+    ec = cfg.eval
+    split = split or ec.split
+    shards = shards or cfg.data.shards
+    examples, full = _examples(shards, split, vocab.langs, max_lines)
     beam = beam or ec.beam
     lenpen = ec.lenpen if lenpen is None else lenpen
+    max_len = (ec.max_len_a if max_len_a is None else max_len_a, ec.max_len_b if max_len_b is None else max_len_b)
+    spec = _spec(cfg, ckpt, trainer_state, split=split, shards=shards, lines=len(examples), max_lines=max_lines,
+                 full=full, beam=beam, lenpen=lenpen, max_len=max_len)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -49,7 +81,7 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
     t0 = time.time()
     res = translate_examples(
         model, examples, vocab, batch_tokens=ec.batch_tokens, beam=beam, lenpen=lenpen,
-        max_len_a=ec.max_len_a, max_len_b=ec.max_len_b, progress=(bar.update if bar else None),
+        max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
     )
     secs = time.time() - t0
     if bar:
@@ -64,7 +96,9 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
         pivot=ec.pivot, groups=ec.groups or None,
     )
     return {
+        "name": spec.name, "evaluation": spec.to_json(),
         "checkpoint": str(ckpt), "split": split, "shards": str(shards), "beam": beam, "lenpen": lenpen,
+        "max_len_a": max_len[0], "max_len_b": max_len[1],
         "lines": len(examples), "decode_seconds": secs, "sentences_per_s": len(examples) / max(secs, 1e-9),
         "step": trainer_state.get("step"), "run_id": trainer_state.get("run_id"),
         "tracking": {"uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment},
@@ -76,6 +110,12 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
             for r, s in list(zip(records, srcs))[:: max(1, len(records) // 12)][:12]
         ],
     }
+
+
+def spec_of(result: dict) -> EvalSpec:
+    """The :class:`EvalSpec` of an :func:`evaluate_checkpoint` result (or of its JSON)."""
+    fields = EvalSpec.__dataclass_fields__
+    return EvalSpec(**{k: v for k, v in result["evaluation"].items() if k in fields})
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
@@ -115,23 +155,36 @@ def result_to_json(result: dict) -> dict:
     return out
 
 
-def plot_scores(result: dict, run_dir: str | Path) -> Path:
-    """``run_dir/plots/eval_<split>_scores.png`` (+ ``.json``): BLEU/chrF per group beside the copy baseline."""
-    from scaletrain.plots import plot_eval_scores
+def write_record(result: dict, run_dir: str | Path, hyp_dir: str | Path | None = None) -> Path:
+    """``RUN/eval/<name>/``: ``eval.json`` (:func:`result_to_json`), the src/ref/hyp files (in ``hyp_dir``
+    instead when given) and ``scores.png`` + ``.json`` (a plot failure is a warning). Written in a directory
+    beside it and swapped in whole, so only this same evaluation's earlier record is replaced."""
+    from scaletrain.fileio import atomic_write_text, replace_dir
 
-    return plot_eval_scores(result_to_json(result), Path(run_dir) / "plots" / f"eval_{result['split']}_scores.png")
+    final = record_dir(run_dir, result["name"])
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_hypotheses(result, tmp if hyp_dir is None else hyp_dir)
+        data = result_to_json(result)
+        atomic_write_text(tmp / RESULT_FILE, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        try:
+            from scaletrain.plots import plot_eval_scores
+
+            plot_eval_scores(data, tmp / PLOT_FILE)
+        except Exception as e:  # noqa: BLE001 - a plot must not lose an evaluation that already ran
+            log.warning("could not plot the scores of %s: %s", result["name"], e)
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
-def log_to_mlflow(result: dict, hyp_dir: str | Path | None = None, plots: tuple = ()) -> None:
-    run_id = result.get("run_id")
-    if not run_id:
-        return
-    from scaletrain.tracking import Tracker
-
-    t = result.get("tracking") or {}  # the recipe's tracking settings, as the training run used them
-    tr = Tracker(uri=t.get("uri") or None, experiment=t.get("experiment") or "scaletrain", run_name=None,
-                 is_main=True, project_dir=Path.cwd())
-    tr.resume(run_id)
+def mlflow_metrics(result: dict) -> dict[str, float]:
+    """``<split>/bleu/<group>``, ``<split>/chrf/<group>`` (groups: ``->`` as ``2``, spaces as ``_``), the same
+    per direction, and ``<split>/copy_baseline/{bleu,chrf}`` of the copy-the-source baseline."""
     split = result["split"]
     metrics = {}
     for a in result["report"].averages:
@@ -145,12 +198,23 @@ def log_to_mlflow(result: dict, hyp_dir: str | Path | None = None, plots: tuple 
         if a.name == "all":
             metrics[f"{split}/copy_baseline/bleu"] = a.bleu
             metrics[f"{split}/copy_baseline/chrf"] = a.chrf
-    tr.log_metrics(metrics, step=int(result.get("step") or 0))
-    tr.log_dict(result_to_json(result), f"eval_{split}.json")
-    if hyp_dir is not None and Path(hyp_dir).is_dir():
-        tr.log_artifact(hyp_dir, f"eval/{split}")
-    for p in plots:  # PNGs and the JSON beside each
-        for f in (Path(p), Path(p).with_suffix(".json")):
-            if f.is_file():
-                tr.log_artifact(f, "plots")
-    tr.end("FINISHED")
+    return metrics
+
+
+def log_to_mlflow(result: dict, record: str | Path | None = None):
+    """A run nested under the training run that wrote the checkpoint, named by the evaluation, with its
+    scores and the record's files (``record``: :func:`write_record`'s directory) as artifacts; the training
+    run's own ``<split>/...`` metrics only when this is its full evaluation (:attr:`EvalSpec.headline`).
+    None when the checkpoint names no training run. Returns :class:`scaletrain.tracking.EvaluationLogged`."""
+    run_id = result.get("run_id")
+    if not run_id:
+        return None
+    from scaletrain.tracking import log_evaluation
+
+    spec = spec_of(result)
+    t = result.get("tracking") or {}  # the recipe's tracking settings, as the training run used them
+    return log_evaluation(
+        t.get("uri") or None, run_id, spec.name, tags=spec.tags(), metrics=mlflow_metrics(result),
+        step=int(result.get("step") or 0), artifact_dir=record, headline=spec.headline,
+        headline_tag=headline_tag(spec.split), headline_metric=f"{spec.split}/bleu/all", project_dir=Path.cwd(),
+    )

@@ -379,22 +379,14 @@ def report_to_json(report: Report) -> dict:
 
 
 def write_report_json(report: Report, path) -> None:
-    """Write :func:`report_to_json` to ``path`` atomically (temp file + rename)."""
-    import os
-    import tempfile
+    """Write :func:`report_to_json` to ``path`` atomically (temp file + rename; the usual file mode)."""
+    from pathlib import Path
 
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report_to_json(report), f, ensure_ascii=False, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from scaletrain.fileio import atomic_write_text
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(report_to_json(report), ensure_ascii=False, indent=1))
 
 
 def report_to_metrics(report: Report, prefix: str = "eval") -> dict[str, float]:

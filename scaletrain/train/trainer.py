@@ -215,7 +215,7 @@ class Trainer:
             return
         from scaletrain.plots import plot_expert_usage, plot_learning_curves
 
-        title = f"{self.cfg.name} ({self.state.run_id or 'no run'})"
+        title = self.tracker.run_name or f"{self.cfg.name} ({self.state.run_id or 'no run'})"
         for what, fn in (("learning curves", plot_learning_curves), ("expert usage", plot_expert_usage)):
             try:
                 png = fn(self.out_dir, title=title)
@@ -256,10 +256,11 @@ class Trainer:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
 
     def _make_tracker(self):
-        from scaletrain.tracking import Tracker
+        from scaletrain.tracking import Tracker, default_run_name
 
         t, eng = self.cfg.tracking, self.engine
-        return Tracker(uri=t.uri or None, experiment=t.experiment, run_name=t.run_name or self.cfg.name,
+        return Tracker(uri=t.uri or None, experiment=t.experiment,
+                       run_name=t.run_name or default_run_name(self.cfg.name, self.out_dir),
                        is_main=eng.is_main and t.enabled, project_dir=Path.cwd(),
                        local_dir=Path(self.out_dir) / "tracking", end_timeout=t.end_timeout)
 

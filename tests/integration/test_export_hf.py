@@ -5,6 +5,7 @@ tokenizer gives our source ids, the logits equal ours on real test lines (fp32),
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 
@@ -195,6 +196,11 @@ def test_model_card_and_files(exported, trained):
     assert "MarianMTModel" in card and all(f"__{l}__" in card for l in langs)
     cfg = json.loads((exported / "config.json").read_text())
     assert cfg["model_type"] == "marian" and cfg["scale_embedding"] is True
+    # every file gets the mode a plain open() gives under the umask (safetensors alone would write 0600)
+    from scaletrain.fileio import umask
+
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir()}
+    assert modes == {name: 0o666 & ~umask() for name in modes} and modes["model.safetensors"] & 0o044 == 0o044 & ~umask()
 
 
 def test_model_card_shows_the_evaluation(trained, tmp_path):
@@ -206,6 +212,7 @@ def test_model_card_shows_the_evaluation(trained, tmp_path):
     (tmp_path / "ev.json").write_text(json.dumps(res))
     out = export_hf(ck, tmp_path / "hf", eval_json=tmp_path / "ev.json")
     card = (out / "README.md").read_text()
+    assert f"Evaluation `{res['name']}`" in card and res["name"].startswith("test.first2.beam1.")
     for d in res["model"]["directions"]:
         assert f"| {d['direction']} | {d['n_lines']} |" in card
     for sig in res["model"]["signatures"].values():

@@ -54,3 +54,13 @@ def test_moce_run_plots_expert_usage_per_language_from_the_logged_routing(django
     curves = json.loads((plots / "learning_curves.json").read_text())
     loss = {m.step: m.value for m in c.get_metric_history(res.run_id, "train/loss")}
     assert {p["step"]: p["value"] for p in curves["train/loss"]} == loss and sorted(loss) == [2, 4]
+    # read alone: units on the axes, the target-unigram NLL the trainer logged as the reference line
+    base = logged["baseline/unigram_valid_nll"]
+    assert curves["baseline/unigram_valid_nll"] == base
+    for ax in curves["figure"]["axes"]:
+        assert f"target-unigram NLL, validation split ({base:.2f})" in ax["lines"]
+        assert ax["xlabel"] in ("update", "training time (min)") and ax["ylabel"].endswith("nats / target byte)")
+    usage = json.loads(data_file.read_text())["figure"]
+    assert usage["title"] == c.get_run(res.run_id).info.run_name
+    assert usage["axes"][0]["xlabel"] == "share of the routing choices since the last validation"
+    assert usage["axes"][0]["ylabel"] == "source language" and usage["axes"][1]["xlabel"] == "receptive radius (tokens)"

@@ -28,6 +28,7 @@ def test_resume_continues_the_run_with_monotone_steps(django_shards, tmp_path, m
     c = MlflowClient(uri)
     run = c.get_run(first.run_id)
     assert run.info.status == "FINISHED" and len(c.search_runs([run.info.experiment_id])) == 1
+    assert run.info.run_name == f"small · run · {first.run_id[:6]}"  # named at the start, kept by the resume
     hist = c.get_metric_history(first.run_id, "train/loss")
     assert sorted(m.step for m in hist) == [2, 4, 6, 8]
     by_time = [m.step for m in sorted(hist, key=lambda m: (m.timestamp, m.step))]

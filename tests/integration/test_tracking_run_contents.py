@@ -39,6 +39,11 @@ def test_training_run_has_tags_artifacts_and_system_metrics(django_shards, tmp_p
     run = c.get_run(res.run_id)
     tags = run.data.tags
     assert run.info.status == "FINISHED"
+    # the run's name: recipe, output directory, short id (also the learning curves' title)
+    assert run.info.run_name.startswith("small · ") and run.info.run_name.endswith(f"run · {res.run_id[:6]}")
+    curves = json.loads((Path(res.out_dir) / "plots" / "learning_curves.json").read_text())
+    assert curves["figure"]["title"] == f"learning curves: {run.info.run_name}"
+    assert json.loads((Path(res.out_dir) / "tracking" / "run.json").read_text())["run_name"] == run.info.run_name
     import deepspeed
     import torch
 
@@ -99,22 +104,28 @@ def test_nodes_from_local_world_size(monkeypatch, local, nodes):
 
 
 def test_evaluate_logs_to_the_recipes_tracking_store(tmp_path, monkeypatch):
-    """``evaluate`` writes to the store and experiment of the training run's recipe, not the defaults."""
+    """``evaluate`` writes to the store of the training run's recipe, not the defaults: a run nested under
+    the training run, in its experiment; the training run's status is left as it was."""
     from scaletrain import tracking as T
     from scaletrain.eval.evaluate import log_to_mlflow
+    from scaletrain.eval.records import EvalSpec
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'elsewhere' / 'mlruns.db'}"
     tr = T.Tracker(uri, "recipe-exp", "r", True, tmp_path)
     rid = tr.start()
-    tr.end()
+    tr.end("KILLED")
     score = SimpleNamespace(name="all", bleu=12.5, chrf=40.0)
+    spec = EvalSpec("test", 10, 0, True, 1, 1.0, 4.0, 200, True, True, 4, "ck", "", "sh", "")
     result = {"run_id": rid, "split": "test", "step": 4, "tracking": {"uri": uri, "experiment": "recipe-exp"},
-              "report": SimpleNamespace(averages=[score], directions=[]),
+              "evaluation": spec.to_json(), "report": SimpleNamespace(averages=[score], directions=[]),
               "baseline": SimpleNamespace(averages=[score], directions=[])}
-    monkeypatch.setattr("scaletrain.eval.evaluate.result_to_json", lambda r: {"bleu": 12.5})
-    log_to_mlflow(result)
-    run = MlflowClient(uri).get_run(rid)
-    assert run.data.metrics["test/bleu/all"] == 12.5
+    logged = log_to_mlflow(result)
+    c = MlflowClient(uri)
+    run = c.get_run(rid)
+    assert run.data.metrics["test/bleu/all"] == 12.5 and run.info.status == "KILLED"
+    nested = c.get_run(logged.run_id)
+    assert nested.data.tags["mlflow.parentRunId"] == rid and nested.info.experiment_id == run.info.experiment_id
+    assert nested.info.run_name == spec.name and nested.data.metrics["test/copy_baseline/chrf"] == 40.0
     assert not (tmp_path / "mlruns.db").exists()  # nothing went to the default store of the working directory

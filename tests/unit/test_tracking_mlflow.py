@@ -179,6 +179,42 @@ def test_resume_and_status(tmp_path, template_db):
         tr3.end("DONE")
 
 
+def test_run_names_carry_recipe_out_dir_and_short_id(tmp_path, template_db):
+    seed(template_db, tmp_path)
+    assert T.default_run_name("small", "runs/small-20261126-1412") == "small · runs/small-20261126-1412 · {run_id}"
+    assert T.default_run_name("small", tmp_path / "runs" / "a", cwd=tmp_path) == "small · runs/a · {run_id}"
+    far = Path("/data") / ("x" * 60) / "runs" / "small-1"
+    assert T.default_run_name("small", far, cwd=tmp_path) == "small · .../runs/small-1 · {run_id}"
+    names = []
+    for out in ("runs/a", "runs/b"):
+        tr = T.Tracker(None, "exp", T.default_run_name("small", out), True, tmp_path, local_dir=tmp_path / out)
+        rid = tr.start()
+        tr.end()
+        names.append(MlflowClient(tracking_uri=db_uri(tmp_path)).get_run(rid).info.run_name)
+        assert names[-1] == f"small · {out} · {rid[:6]}" == tr.run_name
+        assert json.loads((tmp_path / out / "run.json").read_text())["run_name"] == names[-1]
+    tr2 = T.Tracker(None, "exp", T.default_run_name("small", "runs/other"), True, tmp_path)
+    tr2.resume(rid)  # a resumed run keeps its name
+    tr2.end()
+    assert MlflowClient(tracking_uri=db_uri(tmp_path)).get_run(rid).info.run_name == names[-1] == tr2.run_name
+    # a run whose server-side name kept the field gets it filled in at its end (and at a resume)
+    c = MlflowClient(tracking_uri=db_uri(tmp_path))
+    tr4 = T.Tracker(None, "exp", "small · runs/c · {run_id}", True, tmp_path)
+    rid4 = tr4.start()
+    c.update_run(rid4, name="small · runs/c · {run_id}")
+    tr4.end()
+    assert c.get_run(rid4).info.run_name == f"small · runs/c · {rid4[:6]}"
+    c.update_run(rid4, name="small · runs/c · {run_id}")
+    tr5 = T.Tracker(None, "exp", None, True, tmp_path)
+    tr5.resume(rid4)
+    assert c.get_run(rid4).info.run_name == f"small · runs/c · {rid4[:6]}" == tr5.run_name
+    tr5.end()
+    tr3 = T.Tracker(None, "exp", "plain {name}", True, tmp_path)  # a name without the field is left alone
+    rid3 = tr3.start()
+    tr3.end()
+    assert MlflowClient(tracking_uri=db_uri(tmp_path)).get_run(rid3).info.run_name == "plain {name}"
+
+
 def test_context_manager_marks_failed_and_flushes(tmp_path, template_db):
     seed(template_db, tmp_path)
     with pytest.raises(RuntimeError):
