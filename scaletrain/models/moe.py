@@ -100,7 +100,7 @@ class Experts(nn.Module):
                  activation_dropout: float, kernel_mode: str = "auto"):
         super().__init__()
         n = len(local)
-        self.num_experts, self.first_expert = num_experts, local.start
+        self.num_experts, self.first_expert, self.ffn_dim = num_experts, local.start, ffn_dim
         self.w1 = nn.Parameter(torch.empty(n, dim, ffn_dim))
         self.b1 = nn.Parameter(torch.zeros(n, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(n, ffn_dim, dim))
@@ -119,10 +119,15 @@ class Experts(nn.Module):
         self.activation_dropout, self.kernel_mode = activation_dropout, kernel_mode
 
     def grouped_ok(self, x: torch.Tensor) -> bool:
-        return _grouped_mm_ok(x, self.w1.shape[-1])
+        return _grouped_mm_ok(x, self.ffn_dim)  # not w1.shape: ZeRO-3 empties partitioned parameters
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows ``x`` [m, D] grouped by local expert, ``counts[j]`` rows for local expert j (host ints)."""
+    def forward(self, x: torch.Tensor, counts: Optional[list[int]] = None, ends: Optional[torch.Tensor] = None,
+                expert: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows ``x`` [m, D] grouped by local expert: ``counts[j]`` rows for local expert j (host ints), or
+        ``ends``/``expert`` on the device for the grouped GEMM (``grouped``; no host read). Always called as
+        a module (ZeRO-3 gathers the expert weights in the module's forward hooks)."""
+        if ends is not None:
+            return self.grouped(x, ends, expert)
         if self.grouped_ok(x):
             n = torch.tensor(counts, device=x.device)
             expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), n, output_size=x.shape[0])
@@ -260,7 +265,7 @@ class MoEFeedForward(nn.Module):
             # pad rows (sorted last) ride in the last expert's group and get weight 0 in unpermute
             ends = torch.cumsum(perm.counts, 0)
             ends[-1] = xp.shape[0]
-            y = self.experts.grouped(xp, ends.to(torch.int32), perm.expert.clamp(max=self.num_experts - 1))
+            y = self.experts(xp, ends=ends.to(torch.int32), expert=perm.expert.clamp(max=self.num_experts - 1))
         else:  # the per-expert loop or the expert-parallel exchange: one host read (the counts)
             xl, d = dispatch(xp, perm.counts, self.parallel)
             y = combine(self.experts(xl, d.local_counts), d, self.parallel)
