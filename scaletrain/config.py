@@ -26,7 +26,12 @@ from scaletrain.models.config import ModelConfig, MoEConfig
 @dataclass
 class DataConfig:
     shards: str = "shards/django"  # a directory written by `scaletrain prepare`, an http(s):// URL or pipe:CMD {name}
-    max_tokens: int = 4096  # token budget per micro-batch per rank: padded src + tgt tokens
+    # token budget per micro-batch per rank: padded src + tgt tokens; auto: sized from the accelerator's memory
+    # and the model at start-up (scaletrain.models.memory), a fixed 4096 on a CPU; recorded in max_tokens_auto
+    max_tokens: int | str = 4096
+    max_tokens_auto: str = ""  # written when auto resolves: "<tokens>: <reason>" (informational)
+    pad_to_multiple: int = 1  # pad batch lengths to multiples of this (8/16 on GPUs: a bounded set of shapes)
+    max_rows: int = 0  # most sentences per batch (0 = only the token budget limits them)
     max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
     buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
     seed: int = 1
@@ -412,6 +417,21 @@ def _validate_jobs(cfg: Config, bad) -> None:
         bad("engine.collective_timeout_minutes", "must be > 0")
 
 
+def _validate_batch_shape(cfg: Config, bad) -> None:
+    d = cfg.data
+    if d.pad_to_multiple < 1:
+        bad("data.pad_to_multiple", f"must be >= 1 (1 = no padding beyond the longest row), got {d.pad_to_multiple}")
+    if d.max_rows < 0:
+        bad("data.max_rows", f"must be >= 0 (0 = no row cap), got {d.max_rows}")
+    if d.max_tokens == "auto":  # resolved at start-up (scaletrain.models.memory.apply_max_tokens), checked there
+        return
+    if isinstance(d.max_tokens, bool) or not isinstance(d.max_tokens, int):
+        bad("data.max_tokens", f"must be auto or an integer, got {d.max_tokens!r}")
+    if problem := token_budget_problem(d.max_tokens, d.max_bytes, "data.max_tokens", "data.max_bytes",
+                                       d.pad_to_multiple):
+        bad("data.max_tokens", problem)
+
+
 def validate(cfg: Config) -> None:
     def bad(key, msg):
         raise ScaletrainError(f"config key '{key}': {msg}")
@@ -430,8 +450,7 @@ def validate(cfg: Config) -> None:
     cfg.moe.validate(cfg.model)
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:
         bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
-    if problem := token_budget_problem(cfg.data.max_tokens, cfg.data.max_bytes, "data.max_tokens", "data.max_bytes"):
-        bad("data.max_tokens", problem)
+    _validate_batch_shape(cfg, bad)
     nw = cfg.data.num_workers
     if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 0):
         bad("data.num_workers", f"must be auto or an integer >= 0, got {nw!r}")

@@ -49,6 +49,13 @@ class Batch:
     def padded_tokens(self) -> int:
         return int(self.src.numel() + self.tgt_in.numel())
 
+    @property
+    def src_padded(self) -> bool:
+        """Whether any source row has PAD, from the host-side counts (no device read): pass it to the
+        model's ``forward(src, tgt_in, src_padded=...)`` so a batch without padding attends without a
+        mask (FlashAttention on CUDA)."""
+        return self.n_src_tokens < self.src.numel()
+
     def to(self, device) -> "Batch":
         return Batch(
             self.src.to(device, non_blocking=True),

@@ -35,6 +35,13 @@ DataLoader workers (``ShardLoader``): each (rank, worker) is one slot of a strea
 Examples longer than ``max_bytes`` are truncated by ``collate`` (never dropped); ``max_tokens``
 must fit one such example: ``max_tokens >= 2 * max_bytes + 3`` (``data.example.token_budget_problem``).
 
+Fixed shapes (``pad_to_multiple``, ``max_rows``; config ``data.pad_to_multiple``, ``data.max_rows``): batches
+are padded to lengths that are multiples of ``pad_to_multiple`` (the budget counts the rounded lengths) and
+hold at most ``max_rows`` rows, so a compiled or graph-captured step sees at most
+``ceil((max_bytes + 2) / m) * ceil((max_bytes + 1) / m)`` (source, target) lengths and ``max_rows`` batch
+sizes instead of every length; m = 8 also keeps the GEMM sizes multiples of 8 (tensor cores). The defaults
+(1, 0) plan exactly as before, and the stream state records the two only when they are set.
+
 Subword baseline (``vocab=SubwordVocab``): the shards keep raw UTF-8 and each slot's examples are
 tokenized once per window (SentencePiece batch encoding); everything above then runs on TOKEN
 lengths: buckets, the budget (padded subword tokens of source and target) and truncation
@@ -100,18 +107,20 @@ def hilbert_index(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return d
 
 
-def greedy_cut(s: np.ndarray, t: np.ndarray, max_tokens: int) -> list[int]:
+def greedy_cut(s: np.ndarray, t: np.ndarray, max_tokens: int, max_rows: int = 0) -> list[int]:
     """Batch boundaries [0, ..., n] of the greedy cut: a batch grows while ``rows * (max s + max t)``
-    stays within ``max_tokens`` (a lone example always makes a batch). Vectorised per batch with
-    running maxima over a doubling look-ahead, instead of a Python step per example."""
+    stays within ``max_tokens`` and ``rows <= max_rows`` (0: no row cap; a lone example always makes
+    a batch). Vectorised per batch with running maxima over a doubling look-ahead, instead of a Python
+    step per example."""
     n = int(len(s))
     bounds = [0]
     a, k = 0, 64
     while a < n:
         while True:
             e = min(n, a + k)
-            cost = np.arange(1, e - a + 1) * (np.maximum.accumulate(s[a:e]) + np.maximum.accumulate(t[a:e]))
-            over = cost > max_tokens
+            rows = np.arange(1, e - a + 1)
+            cost = rows * (np.maximum.accumulate(s[a:e]) + np.maximum.accumulate(t[a:e]))
+            over = (cost > max_tokens) | (rows > max_rows if max_rows > 0 else False)
             over[0] = False
             j = int(np.argmax(over))
             if j > 0:
@@ -127,13 +136,21 @@ def greedy_cut(s: np.ndarray, t: np.ndarray, max_tokens: int) -> list[int]:
     return bounds
 
 
+def round_up(n, multiple: int):
+    """``n`` (an int or an int array) rounded up to a multiple of ``multiple`` (1: unchanged)."""
+    return n if multiple <= 1 else -(-n // multiple) * multiple
+
+
 def plan_batches(
-    src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, rng: np.random.Generator | None
+    src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, rng: np.random.Generator | None,
+    pad_to_multiple: int = 1, max_rows: int = 0,
 ) -> list[np.ndarray]:
     """Bucket by length and cut token-budget batches; returns arrays of example indices.
 
     ``src_len`` / ``tgt_len`` are padded lengths (with tag/EOS). ``rng=None``: no shuffling.
-    Examples are ordered along a Hilbert curve over (src, tgt) length, then cut greedily.
+    Examples are ordered along a Hilbert curve over (src, tgt) length, then cut greedily; the budget
+    counts the lengths rounded up to ``pad_to_multiple`` (what ``collate`` pads to) and a batch has at
+    most ``max_rows`` rows (0: no cap).
     """
     n = int(src_len.shape[0])
     if n == 0:
@@ -143,7 +160,7 @@ def plan_batches(
     t = tgt_len[order].astype(np.int64)
     key = np.argsort(hilbert_index(s, t), kind="stable")  # stable: ties keep the shuffled order
     order = order[key]
-    bounds = greedy_cut(s[key], t[key], max_tokens)
+    bounds = greedy_cut(round_up(s[key], pad_to_multiple), round_up(t[key], pad_to_multiple), max_tokens, max_rows)
     batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     if rng is not None:
         batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -217,8 +234,9 @@ class _Dropped:
 class _Pool:
     """The examples of one slot's blocks in a window, as flat arrays (for vectorised collate)."""
 
-    def __init__(self, blocks, lang_offset: int = LANG_OFFSET, tokens: bool = False):
+    def __init__(self, blocks, lang_offset: int = LANG_OFFSET, tokens: bool = False, pad_to_multiple: int = 1):
         self.blocks = blocks
+        self.pad_to_multiple = pad_to_multiple
         self.dropped = np.concatenate([np.full(len(b), getattr(b, "dropped", False)) for b in blocks]
                                       ) if blocks else np.zeros(0, bool)
         self.lang_offset = lang_offset
@@ -244,7 +262,7 @@ class _Pool:
     def collate(self, idx: np.ndarray, max_bytes: int) -> Batch:
         return collate_arrays(self.src_lang[idx], self.tgt_lang[idx], self.src_data, self.src_start[idx],
                               self.src_len[idx], self.tgt_data, self.tgt_start[idx], self.tgt_len[idx], max_bytes,
-                              lang_offset=self.lang_offset)
+                              pad_to_multiple=self.pad_to_multiple, lang_offset=self.lang_offset)
 
     def examples(self, idx: np.ndarray) -> list[Example]:
         bi = np.searchsorted(self.starts, idx, side="right") - 1
@@ -269,15 +287,18 @@ class _WindowPlan:
 
 
 def _check_stream_args(rank: int, world_size: int, max_tokens: int, max_bytes: int, buffer_size: int,
-                       temperature: float, epochs: int | None, on_corrupt: str = "stop") -> None:
+                       temperature: float, epochs: int | None, on_corrupt: str = "stop", pad_to_multiple: int = 1,
+                       max_rows: int = 0) -> None:
     """Reject ``ShardStream`` settings that cannot work, before any file is read."""
+    if pad_to_multiple < 1 or max_rows < 0:
+        raise ScaletrainError(f"pad_to_multiple must be >= 1 and max_rows >= 0 (got {pad_to_multiple}, {max_rows})")
     if on_corrupt not in ON_CORRUPT:
         raise ScaletrainError(f"on_corrupt must be stop or skip (got {on_corrupt!r})")
     if world_size < 1 or not (0 <= rank < world_size):
         raise ScaletrainError(f"rank {rank} is not in 0..world_size-1 (world_size={world_size})")
     if max_bytes < 1:
         raise ScaletrainError(f"max_bytes must be >= 1 (got {max_bytes})")
-    problem = token_budget_problem(max_tokens, max_bytes)
+    problem = token_budget_problem(max_tokens, max_bytes, pad_to_multiple=pad_to_multiple)
     if problem:
         raise ScaletrainError(problem)
     if buffer_size < 1:
@@ -309,8 +330,11 @@ class ShardStream:
         vocab=None,
         on_corrupt: str = "stop",
         fetch: FetchOptions | None = None,
+        pad_to_multiple: int = 1,
+        max_rows: int = 0,
     ):
-        _check_stream_args(rank, world_size, max_tokens, max_bytes, buffer_size, temperature, epochs, on_corrupt)
+        _check_stream_args(rank, world_size, max_tokens, max_bytes, buffer_size, temperature, epochs, on_corrupt,
+                           pad_to_multiple, max_rows)
         self.shard_dir = shard_dir if is_remote(shard_dir) else Path(shard_dir)
         self.source = open_source(shard_dir, fetch)
         self.manifest = load_manifest(self.source)
@@ -338,6 +362,7 @@ class ShardStream:
         self.seed, self.max_tokens, self.max_bytes = seed, max_tokens, max_bytes
         self.buffer_size, self.epochs, self.drop_last, self.shuffle = buffer_size, epochs, drop_last, shuffle
         self.temperature = float(temperature)
+        self.pad_to_multiple, self.max_rows = pad_to_multiple, max_rows  # fixed shapes (the module docstring)
         # subword stream: a vocabulary with kind "spm" (ByteVocab / None: the byte stream)
         self.vocab = vocab if vocab is not None and getattr(vocab, "kind", "byte") != "byte" else None
         if vocab is not None and list(vocab.langs) != list(self.manifest.languages):
@@ -471,15 +496,16 @@ class ShardStream:
         """Batch plan of one slot: arrays of indices into the slot's examples (repeats if upsampled)."""
         s_len, t_len = self._lengths(blocks)
         rng = self._slot_rng(epoch, window, slot)
+        shape = dict(pad_to_multiple=self.pad_to_multiple, max_rows=self.max_rows)
         if self._weights is None or not blocks:
-            return plan_batches(s_len, t_len, self.max_tokens, rng)
+            return plan_batches(s_len, t_len, self.max_tokens, rng, **shape)
         L = len(self.manifest.languages)
         d = np.concatenate([b.src_lang.astype(np.int64) * L + b.tgt_lang for b in blocks])
         w = self._weights[d]
         u = np.random.default_rng([self.seed, epoch, window, slot, 0x7E3]).random(len(w))
         reps = np.floor(w).astype(np.int64) + (u < w - np.floor(w))
         idx = np.repeat(np.arange(len(w)), reps)
-        return [idx[b] for b in plan_batches(s_len[idx], t_len[idx], self.max_tokens, rng)]
+        return [idx[b] for b in plan_batches(s_len[idx], t_len[idx], self.max_tokens, rng, **shape)]
 
     def _make_plan(self, epoch: int, window: int) -> _WindowPlan:
         slots = self._slot_blocks(epoch, window)
@@ -491,7 +517,7 @@ class ShardStream:
         for s, ids in enumerate(slots):
             blocks = self._read(ids, lengths_only=(s != me))
             if s == me:
-                pools[me] = _Pool(blocks, self.lang_offset, tokens)
+                pools[me] = _Pool(blocks, self.lang_offset, tokens, self.pad_to_multiple)
             plans.append(self._slot_batches(blocks, epoch, window, s))
         counts = [len(p) for p in plans]
         target = min(counts) if self.drop_last else max(counts)
@@ -499,7 +525,8 @@ class ShardStream:
         if len(mine) < target:  # fewer examples than batches needed: repeat batches (documented)
             donor = me if plans[me] else next(s for s, p in enumerate(plans) if p)
             if donor not in pools:
-                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False), self.lang_offset, tokens)
+                pools[donor] = _Pool(self._read(slots[donor], lengths_only=False), self.lang_offset, tokens,
+                                     self.pad_to_multiple)
             src = list(mine) if donor == me else [(donor, b) for b in plans[donor]]
             i = 0
             while len(mine) < target:
@@ -592,6 +619,8 @@ class ShardStream:
         }
         if self.vocab is not None:  # byte streams keep the old state layout
             cfg["tokenizer"] = f"{self.vocab.kind}:{self.vocab.sha256}"
+        if self.pad_to_multiple > 1 or self.max_rows:  # likewise: states without them load as before
+            cfg.update(pad_to_multiple=self.pad_to_multiple, max_rows=self.max_rows)
         return cfg
 
     def state_dict(self) -> dict:

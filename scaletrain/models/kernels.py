@@ -133,3 +133,60 @@ def residual_dropout(x: torch.Tensor, y: torch.Tensor, p: float, training: bool,
     if q >= 1.0:
         return x + torch.zeros_like(y)
     return torch.addcmul(x, y, keep_mask(y.shape, p).to(y.dtype), value=1.0 / (1.0 - q))
+
+
+# ---------------------------------------------------------------------------------------
+# which attention kernel runs
+# ---------------------------------------------------------------------------------------
+_SDPA_OPS = {  # the fused aten op each SDPA backend runs (the math backend runs plain matmuls: no op of its own)
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash-cpu",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+_SDP_CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def sdpa_backend(q, k, v, mask: Optional[torch.Tensor] = None, is_causal: bool = False, dropout_p: float = 0.0,
+                 scale: Optional[float] = None) -> str:
+    """The backend ``F.scaled_dot_product_attention`` picks for these inputs under the current
+    ``sdpa_kernel`` settings: "flash", "efficient", "cudnn", "math" or "overrideable" (PyTorch's own
+    choice function; on a CPU "flash" is its CPU flash kernel, which also takes masks)."""
+    choice = int(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale))
+    return _SDP_CHOICE.get(choice, f"backend {choice}")
+
+
+class SdpaKernels:
+    """Context manager recording the fused attention kernel of every SDPA forward call that runs inside
+    it: ``(kernel, masked)`` per call, kernel one of "flash", "flash-cpu",
+    "efficient", "cudnn", "overrideable", ``masked`` whether a mask was passed. SDPA's math fallback
+    and the CPU bmm path of ``attention`` run plain matmuls and leave no entry. For the benchmarks and
+    the GPU suite: ``Counter(calls)`` says which kernels a training step used."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, bool]] = []
+        self._mode = None
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls = self.calls
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = func.overloadpacket.__name__
+                if name in _SDPA_OPS:
+                    mask = kwargs.get("attn_mask", kwargs.get("attn_bias"))
+                    if mask is None and len(args) > 3 and torch.is_tensor(args[3]):
+                        mask = args[3]  # efficient / cudnn / cpu-flash take the mask (bias) positionally
+                    calls.append((_SDPA_OPS[name], mask is not None))
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

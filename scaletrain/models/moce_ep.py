@@ -14,7 +14,8 @@ Forward of one layer on one rank (R rows = (q|k|v, sentence, head, position), to
 1. identity slots: ``out = z * (sum of the row's identity weights)``, locally;
 2. for every conv expert e (kernel k): the routed rows' k-wide windows X_e [M_e, Dh*k] (one unfold
    of the zero-padded sequences, then an index_select: no window crosses a sentence);
-3. the counts M_e of all ranks are all-gathered (one small collective per layer), the windows are
+3. the counts M_e of all ranks are all-gathered (one small collective per layer, and the layer's one
+   host read: every split size comes from it), the windows are
    flattened and sent to their owners in ONE variable-size all-to-all (windows of different experts
    have different widths, so the payload is a 1-D stream of elements; every rank knows every split
    from the counts);
@@ -45,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.models.moce_routed import conv_slots_by_expert
 from scaletrain.parallel.context import ParallelContext, balanced_owners
 from scaletrain.parallel.exchange import all_to_all_v
 
@@ -91,11 +93,10 @@ def routed_experts_ep(z, w, idx, real, kernels: list[int], is_identity: torch.Te
     is_id = is_identity[idxf] & realf[:, None]
     out = zf * (w.reshape(R, K) * is_id).sum(-1, keepdim=True)
     conv = [(e, k) for e, k in enumerate(kernels) if k > 0]
-    flat = idxf.masked_fill(~realf[:, None], len(kernels)).view(-1)
-    sels = [(flat == e).nonzero().squeeze(1) for e, _ in conv]
-    counts = _gather_counts(torch.tensor([s.numel() for s in sels], dtype=torch.int64, device=z.device), ctx)
-    counts = counts.tolist()  # [P][C], on the host: the splits
+    order, mine_counts = conv_slots_by_expert(idxf, realf, kernels)
+    counts = _gather_counts(mine_counts, ctx).tolist()  # [P][C]: the splits, the layer's one host read
     P, me, r = ctx.ep_size, ctx.ep_rank, max(k for _, k in conv) // 2
+    sels = order[: sum(counts[me])].split(counts[me])
     mine = [j for j, o in enumerate(owners) if o == me]
     # dispatch: windows, grouped by owner, then by expert
     send = [_windows(zf, T, r, sels[j] // K, conv[j][1]).reshape(-1)

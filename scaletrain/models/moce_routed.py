@@ -18,8 +18,9 @@ windows, input gradient scattered back to the window positions, routing-weight g
 
 Results equal the dense formulation at real positions up to float round-off (tests check outputs
 and every gradient); at pad positions both paths return 0. The per-expert row counts are read on
-the host (``nonzero``), which is free on CPU and would be a device sync on an accelerator: CUDA
-keeps the dense one-convolution path (``MoCEExperts.forward`` chooses).
+the host once per layer and forward (the GEMM sizes), which is free on CPU and would be a device
+sync on an accelerator: CUDA keeps the dense one-convolution path, which reads nothing
+(``MoCEExperts.forward`` chooses).
 
 Memory: the gathered windows are saved for the backward: top_k x (share of conv picks) x (mean
 picked kernel size) x the size of ``z``, about 8x for Δ=5 under balanced routing; the dense path
@@ -29,6 +30,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from scaletrain.parallel.exchange import expert_counts
+
+
+def conv_slots_by_expert(idx: torch.Tensor, real: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, slot) positions of ``idx`` [R, K] routed to conv experts, grouped by conv expert in
+    expert order (ascending position within an expert), followed by the identity and pad slots; and the
+    slots per conv expert [C] (int64, on the device). No host read: the caller reads the counts once."""
+    conv = [e for e, k in enumerate(kernels) if k > 0]
+    C = len(conv)
+    rank = torch.full((len(kernels) + 1,), C, dtype=torch.long, device=idx.device)  # conv expert -> 0..C-1
+    rank[conv] = torch.arange(C, device=idx.device)
+    key = rank[idx.masked_fill(~real[:, None], len(kernels)).view(-1)]  # identity and pad slots -> C
+    order = torch.sort(key, stable=True).indices
+    return order, expert_counts(key, C + 1)[:C]
 
 
 class RoutedExperts(torch.autograd.Function):
@@ -55,12 +71,11 @@ class RoutedExperts(torch.autograd.Function):
             ctx.save_for_backward(z, is_id, w_id)
             ctx.meta = (T, r, K, (0, Dh), [], [])
             return out
-        # conv slots grouped by expert (host-side counts: CPU only), then everything that is not the
-        # per-expert GEMM runs once over all groups
-        flat = idx.masked_fill(~real[:, None], E).view(-1)  # pad rows -> no expert
-        sels = [(flat == e).nonzero().squeeze(1) for e, k in enumerate(kernels) if k > 0]
-        counts = [s.numel() for s in sels]
-        sel = torch.cat(sels)
+        # conv slots grouped by expert (their counts read on the host once: the GEMM sizes), then
+        # everything that is not the per-expert GEMM runs once over all groups
+        order, counts = conv_slots_by_expert(idx, real, kernels)
+        counts = counts.tolist()
+        sel = order[: sum(counts)]
         rows = sel // K
         we = w.reshape(-1).index_select(0, sel)[:, None]
         # each sequence padded by r zeros on both sides, so a window never reads a neighbour; row

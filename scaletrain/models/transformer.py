@@ -187,10 +187,12 @@ class EncoderContext:
     pad_mask: torch.Tensor  # [B, S] bool, True = pad
     embeddings: Any  # the model's Embeddings module (``embeddings(tokens, "raw")`` gives unscaled rows)
     extras: dict = field(default_factory=dict)  # per-forward scratch space for plug-ins
+    padded: bool = True  # False: the caller knows src has no PAD (``Transformer.forward(src_padded=False)``)
 
-    def key_mask(self) -> torch.Tensor:
-        """[B, 1, 1, S] bool, True = may attend."""
-        return (~self.pad_mask)[:, None, None, :]
+    def key_mask(self) -> Optional[torch.Tensor]:
+        """[B, 1, 1, S] bool, True = may attend; None for a batch without padding (no mask: SDPA may
+        then use its fastest kernel, FlashAttention on CUDA, which takes no mask)."""
+        return (~self.pad_mask)[:, None, None, :] if self.padded else None
 
 
 class MultiheadAttention(nn.Module):
@@ -405,6 +407,11 @@ class EncoderOut:
     pad_mask: torch.Tensor  # [B, S] bool, True = pad
     beams: int = 1
     max_steps: int = 0  # decoder positions the search may run (0 = unknown)
+    padded: bool = True  # False: no row has padding, cross-attention runs without a mask
+
+    def key_mask(self) -> Optional[torch.Tensor]:
+        """Cross-attention mask [B, 1, 1, S] (True = may attend), None without padding."""
+        return (~self.pad_mask)[:, None, None, :] if self.padded else None
 
     def expand_beams(self, beams: int, max_steps: int = 0) -> "EncoderOut":
         """Serve ``beams`` consecutive decoder rows (a sentence's beams) from every row, without copying:
@@ -415,20 +422,20 @@ class EncoderOut:
         ``KV_PRESIZE_MAX`` positions, instead of growing them (a copy and fresh pages each time)."""
         if self.beams != 1:
             raise ScaletrainError(f"EncoderOut.expand_beams: already expanded ({self.beams} beams)")
-        return EncoderOut(self.out, self.pad_mask, beams, max_steps)
+        return EncoderOut(self.out, self.pad_mask, beams, max_steps, self.padded)
 
     def index_select(self, index: torch.Tensor) -> "EncoderOut":
         """Reorder / expand / shrink the decoder rows (beam search: ``index = arange(B).repeat_interleave(k)``).
         After ``expand_beams`` an index that keeps the sentence blocks together selects sentences; any other
         index gives every decoder row its own encoder row again."""
         if self.beams == 1:
-            return EncoderOut(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
+            return EncoderOut(self.out.index_select(0, index), self.pad_mask.index_select(0, index), padded=self.padded)
         blocks = beam_blocks(index, self.beams)
         if blocks is None:
             rows = torch.div(index, self.beams, rounding_mode="floor")
-            return EncoderOut(self.out.index_select(0, rows), self.pad_mask.index_select(0, rows))
+            return EncoderOut(self.out.index_select(0, rows), self.pad_mask.index_select(0, rows), padded=self.padded)
         return EncoderOut(self.out.index_select(0, blocks), self.pad_mask.index_select(0, blocks), self.beams,
-                          self.max_steps)
+                          self.max_steps, self.padded)
 
 
 _KV_START = 32  # first capacity (positions) of a self-attention K/V buffer; doubled when full
@@ -604,10 +611,14 @@ class Transformer(nn.Module):
             x = kernels.dropout(x, self.cfg.dropout, self.training, self.kernel_mode)
         return x
 
-    def encode(self, src: torch.Tensor) -> EncoderOut:
+    def encode(self, src: torch.Tensor, src_padded: bool = True) -> EncoderOut:
+        """``src_padded=False``: the caller knows that no row of ``src`` has PAD (e.g. from the batch's
+        host-side token count, ``Batch.src_padded``): self- and cross-attention then run without a
+        mask, which lets SDPA pick FlashAttention on CUDA; the result equals the masked one. Deciding
+        it here would read the device (a sync per step), so the default keeps the mask."""
         self._check_tokens(src, "src")
         pad_mask = src.eq(PAD)
-        ctx = EncoderContext(src, pad_mask, self.embeddings)
+        ctx = EncoderContext(src, pad_mask, self.embeddings, padded=src_padded)
         x = self.embed_source(src)
         if self.frontend is not None:
             x, pad_mask = self.frontend(x, ctx)
@@ -616,7 +627,7 @@ class Transformer(nn.Module):
             x = layer(x, ctx)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
-        return EncoderOut(x, ctx.pad_mask)
+        return EncoderOut(x, ctx.pad_mask, padded=ctx.padded)
 
     # ---- decoder ---------------------------------------------------------------------
     def _decoder_input(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -634,15 +645,16 @@ class Transformer(nn.Module):
     def decode(self, tgt_in: torch.Tensor, enc: EncoderOut) -> torch.Tensor:
         self._check_tokens(tgt_in, "tgt_in")
         x = self._decoder_input(tgt_in, self.positions(tgt_in))
-        key_mask = (~enc.pad_mask)[:, None, None, :]
+        key_mask = enc.key_mask()
         pad_mask = tgt_in.eq(PAD)
         for layer in self.decoder_layers:
             x = layer(x, enc, key_mask, None, pad_mask)
         return self._decoder_output(x)
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_padded: bool = True) -> torch.Tensor:
+        """Logits [B, T, V]; ``src_padded=False`` promises a source without PAD (see ``encode``)."""
         self.last_aux_loss = None
-        logits = self.decode(tgt_in, self.encode(src))
+        logits = self.decode(tgt_in, self.encode(src, src_padded))
         self.last_aux_loss = self.collect_aux_loss()
         return logits
 
@@ -666,7 +678,7 @@ class Transformer(nn.Module):
             raise ScaletrainError(
                 f"decode_step: {tokens.shape[0]} decoder rows for {enc.out.shape[0]} encoder rows x {enc.beams} "
                 f"beams (cache: {cache.beams}); reorder the encoder output and the cache with the same index")
-        key_mask = (~enc.pad_mask)[:, None, None, :]
+        key_mask = enc.key_mask()
         pad_mask = tokens.eq(PAD)[:, None]
         beam_mask = None
         if cache.beams > 1:

@@ -16,6 +16,12 @@ the expert inputs travel back to the ranks that own the tokens. Dispatch is drop
 
 Every rank of an EP group must call ``dispatch`` and ``combine`` the same number of times, in the
 same order, even with no tokens (empty tensors are exchanged).
+
+Host reads (device syncs on an accelerator): ``permute(trim=False)`` and ``unpermute`` read nothing
+(counts by ``scatter_add``, not ``bincount``, which sizes its output from the data); ``dispatch``
+reads once: the counts it needs for the split sizes (over EP: this rank's and the exchanged ones in
+one copy). A single-rank MoE layer whose experts run as one grouped GEMM (``scaletrain.models.moe``)
+needs no split sizes and skips ``dispatch``: no read at all.
 """
 from __future__ import annotations
 
@@ -33,30 +39,47 @@ from scaletrain.parallel.context import ParallelContext
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Permutation:
-    order: torch.Tensor  # [n] indices into the flat (token, slot) pairs, sorted by expert (stable)
-    counts: torch.Tensor  # [E] int64, pairs per expert (dropped pairs excluded)
+    order: torch.Tensor  # [n] indices into the flat (token, slot) pairs, sorted by expert (stable), dropped last
+    counts: torch.Tensor  # [E] int64, pairs per expert (dropped pairs excluded), on x's device
     n_tokens: int
     top_k: int
+    expert: Optional[torch.Tensor] = None  # [n] expert of each permuted row (E: a dropped pair); trim=False only
 
 
-def permute(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, Permutation]:
+def expert_counts(key: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """How often each of 0..num_bins-1 occurs in ``key`` (int64, on key's device). ``torch.bincount``
+    without a host read: bincount sizes its output from the data (a device sync on CUDA)."""
+    return torch.zeros(num_bins, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+
+
+def permute(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int,
+            trim: bool = True) -> tuple[torch.Tensor, Permutation]:
     """Rows of ``x`` [N, D] once per kept (token, slot) pair, grouped by expert in expert order
-    (within an expert: token order, then slot order). ``expert_idx`` [N, k] int64; -1 = dropped."""
+    (within an expert: token order, then slot order). ``expert_idx`` [N, k] int64; -1 = dropped.
+
+    ``trim=False``: no host read; every one of the N*k pairs gets a row, the dropped ones last (their
+    expert in ``Permutation.expert`` is ``num_experts``), for callers that run a static number of rows
+    (``unpermute`` gives dropped rows weight 0) or trim later with counts they read anyway (``dispatch``)."""
     n_tokens, top_k = expert_idx.shape
     flat = expert_idx.reshape(-1)
     key = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    order = order[: int(counts.sum())]
-    return x.index_select(0, order // top_k), Permutation(order, counts, n_tokens, top_k)
+    expert, order = torch.sort(key, stable=True)
+    counts = expert_counts(key, num_experts + 1)[:num_experts]
+    if trim:
+        order, expert = order[: int(counts.sum())], None
+    return x.index_select(0, order // top_k), Permutation(order, counts, n_tokens, top_k, expert)
 
 
 def unpermute(y: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
     """[N, D]: for each token, the sum over its kept slots of weight * the expert output row.
-    ``y`` [n, D] in ``permute``'s order; ``weights`` [N, k] (cast to y's dtype)."""
-    w = weights.reshape(-1).index_select(0, perm.order).to(y.dtype)
+    ``y`` [m, D] in ``permute``'s order: the kept rows, or (``trim=False``) all N*k rows, whose dropped
+    rows get weight 0; ``weights`` [N, k] (cast to y's dtype)."""
+    order = perm.order[: y.shape[0]]
+    w = weights.reshape(-1).index_select(0, order).to(y.dtype)
+    if perm.expert is not None and y.shape[0] > 0 and y.shape[0] == perm.expert.shape[0]:
+        w = torch.where(perm.expert < perm.counts.shape[0], w, torch.zeros_like(w))
     out = y.new_zeros((perm.n_tokens,) + tuple(y.shape[1:]))
-    return out.index_add(0, perm.order // perm.top_k, y * w.view(-1, *([1] * (y.dim() - 1))))
+    return out.index_add(0, order // perm.top_k, y * w.view(-1, *([1] * (y.dim() - 1))))
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,22 +141,27 @@ class Dispatch:
 
 
 def dispatch(x: torch.Tensor, counts: torch.Tensor, ctx: ParallelContext) -> tuple[torch.Tensor, Dispatch]:
-    """Send permuted rows ``x`` (grouped by global expert, ``counts`` [E] per expert) to the EP ranks
-    that hold their experts. Returns the rows for this rank's experts grouped by local expert, and
-    what ``combine`` needs to send the results back."""
+    """Send permuted rows ``x`` (grouped by global expert, ``counts`` [E] per expert; rows past the
+    counted ones, e.g. the dropped pairs of ``permute(trim=False)``, are left out) to the EP ranks that
+    hold their experts. Returns the rows for this rank's experts grouped by local expert, and what
+    ``combine`` needs to send the results back. Reads the host once (the split sizes: this rank's
+    counts and, over EP, the exchanged ones, in one copy)."""
     P = ctx.ep_size
     if P == 1:
-        return x, Dispatch(local_counts=counts.tolist())
+        local = counts.tolist()
+        return x[: sum(local)], Dispatch(local_counts=local)
     recv = exchange_counts(counts, ctx)  # [P, E_local]
     e_local = recv.shape[1]
-    input_splits = counts.view(P, e_local).sum(1).tolist()
-    output_splits = recv.sum(1).tolist()
-    x = all_to_all_v(x, output_splits, input_splits, ctx.ep_group)
+    host = torch.cat([counts.to(torch.int64).reshape(-1), recv.reshape(-1).to(counts.device)]).tolist()
+    sent, got = host[: P * e_local], [host[P * e_local + p * e_local:P * e_local + (p + 1) * e_local] for p in range(P)]
+    input_splits = [sum(sent[p * e_local:(p + 1) * e_local]) for p in range(P)]
+    output_splits = [sum(row) for row in got]
+    x = all_to_all_v(x[: sum(input_splits)], output_splits, input_splits, ctx.ep_group)
     # received: per source rank, rows grouped by local expert -> group by local expert over all sources
-    local_expert = torch.repeat_interleave(
-        torch.arange(e_local, device=x.device).repeat(P), recv.flatten().to(x.device))
+    local_expert = torch.repeat_interleave(torch.arange(e_local, device=x.device).repeat(P), recv.flatten().to(x.device),
+                                           output_size=sum(output_splits))
     order = torch.argsort(local_expert, stable=True)
-    d = Dispatch(recv.sum(0).tolist(), input_splits, output_splits, order)
+    d = Dispatch([sum(row[j] for row in got) for j in range(e_local)], input_splits, output_splits, order)
     return x.index_select(0, order), d
 
 

@@ -222,7 +222,8 @@ class Evaluator:
         d, eng = self.cfg.data, self.engine
         stream = ShardStream(d.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
                              max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab,
-                             on_corrupt=d.on_corrupt, fetch=fetch_options(d))
+                             on_corrupt=d.on_corrupt, fetch=fetch_options(d), pad_to_multiple=d.pad_to_multiple,
+                             max_rows=d.max_rows)
         v = validation_loss(eng, self.unit, stream, self.cfg.train.valid_max_batches)
         self.state.valid_history.append((self.state.step, v))
         if eng.is_main:

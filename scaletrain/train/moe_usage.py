@@ -2,9 +2,10 @@
 
 The MoE layers count routed pairs per expert but not per language; this meter adds that from the
 outside with two hooks per encoder MoE layer (``scaletrain.models.moe.MoEFeedForward``): a forward
-pre-hook reads the pad mask (how many rows of each sentence are routed) and a forward hook on its
-router takes the router's top-k choice for each routed row and adds it to a ``[languages, experts]``
-count on the device, by the sentence's source language (:meth:`set_batch`); no host sync. Only training forwards
+pre-hook keeps the pad mask (the layer's router sees every row b * T + t, pads included, and pads
+are not routed) and a forward hook on its router takes the router's top-k choice for each real row
+and adds it to a ``[languages, experts]`` count on the device, by the sentence's source language
+(:meth:`set_batch`); no host sync. Only training forwards
 are counted (not validation, not activation-checkpoint recomputation); the counts are the router's
 choices before any capacity drop. :meth:`metrics` all-reduces the counts over ranks (a collective
 at the step logger's report) and returns ``moe_usage/<layer>/<lang>/share_e<i>`` (each expert's share
@@ -57,26 +58,25 @@ class MoeLanguageUsage:
                 return
             x = args[0]
             pad = args[1] if len(args) > 1 else None
-            # routed rows per sentence (the layer routes the non-pad positions, sentence by sentence)
-            per_sent = ((~pad).sum(1) if pad is not None
-                        else torch.full((x.shape[0],), x.shape[1], device=x.device, dtype=torch.long))
-            self._rows[name] = per_sent.cumsum(0)
+            # the layer routes every row [B * T] (pads too, with weight 0): remember which rows count
+            real = ~pad if pad is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            self._rows[name] = real
         return hook
 
     def _post(self, name: str, mod: nn.Module):
         def hook(router, args, logits):
-            ends = self._rows.pop(name, None)
-            if ends is None:
+            real = self._rows.pop(name, None)
+            if real is None:
                 return
-            with torch.no_grad():  # no host sync: the language of each routed row by searchsorted, on the device
-                sent = torch.searchsorted(ends, torch.arange(logits.shape[0], device=ends.device), right=True)
-                rows = self._langs.to(ends.device)[sent.clamp(max=ends.numel() - 1)]
+            with torch.no_grad():  # no host sync: row b * T + t belongs to sentence b; counts by scatter_add
+                B, T = real.shape
+                langs = self._langs.to(real.device)[:, None].expand(B, T).reshape(-1)
                 idx = logits.topk(mod.top_k, dim=-1).indices  # the same choice as MoEFeedForward.route
-                flat = (rows[:, None] * mod.num_experts + idx).reshape(-1)
-                c = torch.bincount(flat, minlength=self.n_langs * mod.num_experts)
-                if self.counts[name].device != c.device:
-                    self.counts[name] = self.counts[name].to(c.device)
-                self.counts[name] += c.view(self.n_langs, mod.num_experts).double()
+                flat = (langs[:, None] * mod.num_experts + idx).reshape(-1)
+                ones = real.reshape(-1, 1).expand_as(idx).reshape(-1).to(torch.float64)
+                if self.counts[name].device != flat.device:
+                    self.counts[name] = self.counts[name].to(flat.device)
+                self.counts[name].view(-1).scatter_add_(0, flat, ones)
         return hook
 
     def metrics(self, langs: list[str], reduce: Callable[[list[float]], list[float]],

@@ -27,6 +27,7 @@ from scaletrain.data.stream import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
 from scaletrain.models import build_model, count_parameters
+from scaletrain.models.memory import apply_max_tokens
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.mfu import MfuEstimator
@@ -76,11 +77,13 @@ class Trainer:
         model = self.build_model()
         self.param_counts = count_parameters(model, cfg.moe.ep_size)  # the whole model, every expert
         eng.setup(model)
+        apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
         self.stream = stream if stream is not None else ShardLoader(
             cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=self._num_workers(),
             seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
             buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
             on_corrupt=cfg.data.on_corrupt, fetch=fetch_options(cfg.data),
+            pad_to_multiple=cfg.data.pad_to_multiple, max_rows=cfg.data.max_rows,
         )
         self.out_dir = cfg.out_dir
         tc = cfg.train

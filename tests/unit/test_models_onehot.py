@@ -60,12 +60,15 @@ def test_table_is_identity_with_zero_pad_row_and_no_gradient():
     assert "embeddings.table" not in m.state_dict()  # derived, not saved
 
 
-def test_exactly_three_learnable_scalars_initialised_to_sqrt_d():
+def test_exactly_three_learnable_scalars_input_ones_at_sqrt_d_output_at_one():
     m = make()
     emb_params = list(m.embeddings.parameters())
     assert len(emb_params) == 3 and all(p.numel() == 1 for p in emb_params)
-    for p in emb_params:
-        assert p.item() == pytest.approx(math.sqrt(D))
+    e = m.embeddings
+    assert e.encoder_scale.item() == pytest.approx(math.sqrt(D))
+    assert e.decoder_scale.item() == pytest.approx(math.sqrt(D))
+    # the logit scale starts at 1 like a tied model's (docs/MODELS.md §3), not at sqrt(d)
+    assert e.output_scale.item() == 1.0
     dense = build_model(cfg(embedding="learned"), V)
     # relative to a learned shared embedding: -V*d + 3
     assert count_parameters(m)["total"] == count_parameters(dense)["total"] - V * D + 3
@@ -110,6 +113,29 @@ def test_logits_are_scaled_first_v_coordinates_and_pad_logit_is_zero():
     expected[..., PAD] = 0.0
     torch.testing.assert_close(logits, expected)
     assert logits[..., PAD].abs().max() == 0
+
+
+@pytest.mark.parametrize("kind", ["output", "encoder", "decoder"])
+def test_scale_gradients_are_reduced_in_fp32_under_fp16_autocast(kind):
+    """A learnable scale's gradient sums over every element it multiplies; loss-scaled (65536) that sum
+    leaves fp16's range, so it must be reduced in fp32 (else inf and a skipped step every time)."""
+    m = make()
+    e = m.embeddings
+    g = torch.Generator().manual_seed(3)
+    scale = {"output": e.output_scale, "encoder": e.encoder_scale, "decoder": e.decoder_scale}[kind]
+    tokens = torch.randint(4, V, (16, 64), generator=g)
+    h = torch.randn(16, 64, D, generator=g)
+    grads = []
+    for dtype in (torch.float16, None):
+        scale.grad = None
+        with torch.autocast("cpu", dtype=torch.float16, enabled=dtype is not None):
+            x = e.output(h.half() if dtype else h) if kind == "output" else e(tokens, kind)
+        seed = torch.Generator().manual_seed(4)
+        (x.float() * torch.rand(x.shape, generator=seed) * 32768.0).sum().backward()
+        grads.append(scale.grad.clone())
+    assert abs(float(grads[1])) > 65504  # the sum is out of fp16's range, and still exact enough
+    assert torch.isfinite(grads[0]).all()
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-3, atol=0)
 
 
 def test_decoder_input_dropout_deletes_about_half_the_tokens():
