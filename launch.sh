@@ -155,8 +155,8 @@ print(f"  echo 'Save changes' | scaletrain translate --checkpoint {q} --src-lang
 print(f"  scaletrain evaluate --checkpoint {q} --beam 4 --json {shlex.quote(str(run / 'eval_test_beam4.json'))}")
 others = sorted((p.parent.parent for p in run.parent.glob("*/tracking/run.json")
                  if p.parent.parent.resolve() != run.resolve()), key=lambda p: p.stat().st_mtime)
-other = shlex.quote(str(others[-1])) if others else "runs/OTHER_RUN"
-print(f"  scaletrain compare {q} {other} --plot {shlex.quote(str(run / 'compare.png'))}")
+other = f" {shlex.quote(str(others[-1]))}" if others else ""
+print(f"  scaletrain compare {q}{other} --plot {shlex.quote(str(run / 'compare.png'))}    # more run dirs or run ids: more columns")
 print(f"  scaletrain export {q} --out {shlex.quote(str(run / 'model.safetensors'))}"
       f"    # or --format hf --out {shlex.quote(str(run / 'hf'))}")
 if uri and uri.startswith(("sqlite:", "file:", "/")):

@@ -36,6 +36,13 @@ DECODING_COMMANDS = ("evaluate", "translate")  # get --threads and the inference
 STDOUT_IS_DATA = ("translate",)  # log lines go to stderr: stdout carries the translations only
 
 
+def _setup_logging(debug: bool) -> None:
+    """For scripts run under a launcher that call :func:`main`'s set-up without its parser (test drivers)."""
+    from scaletrain.console import setup_console
+
+    setup_console(debug=debug)
+
+
 def _commands() -> tuple:
     """The command modules, in the order ``--help`` lists them (imported here: ``import scaletrain.cli``
     stays cheap)."""

@@ -12,8 +12,8 @@
   unless the user chose a level.
 * Progress bars (tqdm, stderr): on a terminal as usual. Into a file or pipe a redrawing bar is one long line
   of ``\\r`` updates with the next output glued to its end; there stderr is wrapped by :class:`LineProgress`,
-  which writes each redraw as a line of its own and drops the clearing ones, and tqdm redraws at most every
-  15 s (``TQDM_MININTERVAL``).
+  which writes each redraw as a line of its own and drops the clearing ones; tqdm draws a bar only for a task
+  still running after 5 s (``TQDM_DELAY``) and then at most every 15 s (``TQDM_MININTERVAL``).
 * ``--verbose`` (or ``SCALETRAIN_VERBOSE=1``; ``--debug`` implies it): every library's records at INFO,
   DEBUG with ``--debug``, nothing filtered.
 """
@@ -150,6 +150,7 @@ def _line_safe_streams() -> None:
         return
     if not tty:
         os.environ.setdefault("TQDM_MININTERVAL", "15")
+        os.environ.setdefault("TQDM_DELAY", "5")  # a task done within seconds leaves no stale "0%" line
         sys.stderr = LineProgress(err)
 
 
