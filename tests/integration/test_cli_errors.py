@@ -96,18 +96,16 @@ def test_unwritable_out_dir_fails_before_the_engines_libraries_load(tmp_path, dj
 def test_launch_sh_builds_only_the_bundled_corpus(tmp_path):
     """A typo in data.shards: one line naming the key and the path and how to build shards, exit 2, no shard
     directory made, no run directory, no launcher started."""
-    import subprocess
     import uuid
 
-    from helpers import ROOT
+    from helpers import ROOT, run_launch_sh
 
     typo = f"shards/djangoo-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "run"
-    p = subprocess.run(["bash", str(ROOT / "launch.sh"), "--out", str(out), f"data.shards={typo}"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2, (p.stdout, p.stderr)
-    assert p.stdout.strip() == "", p.stdout  # nothing was started ("== preparing", "== training")
-    lines = p.stderr.strip().splitlines()
+    p = run_launch_sh(["--out", str(out), f"data.shards={typo}"], cwd=tmp_path, timeout=300)
+    text = p.stdout.decode()
+    assert p.returncode == 2, text
+    lines = text.strip().splitlines()  # nothing was started ("== preparing", "== training"): one line
     assert len(lines) == 1 and "config key 'data.shards'" in lines[0] and typo in lines[0], lines
     assert "scaletrain prepare --out" in lines[0]
     assert not (ROOT / typo).exists() and not out.exists()

@@ -9,7 +9,7 @@ import re
 import stat
 import subprocess
 
-from helpers import ROOT, free_port, tiny_model
+from helpers import ROOT, free_port, run_launch_sh, tiny_model
 
 NOISE = (
     "Setting accelerator to CPU",  # DeepSpeed's accelerator probe
@@ -43,27 +43,30 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
     env = dict(os.environ)
     env.update(PATH=f"{shims}:{env['PATH']}", TORCH_EXTENSIONS_DIR=str(ext),
                MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlruns.db", MPLCONFIGDIR=str(tmp_path / "mpl"),
-               PYTHONUNBUFFERED="1")
-    for k in ("DS_ACCELERATOR", "SCALETRAIN_VERBOSE", "MLFLOW_LOGGING_LEVEL", "TQDM_MININTERVAL"):
+               PYTHONUNBUFFERED="1", TQDM_DELAY="0")  # a bar even for the short evaluation
+    for k in ("DS_ACCELERATOR", "SCALETRAIN_VERBOSE", "MLFLOW_LOGGING_LEVEL", "TQDM_MININTERVAL", "OMP_NUM_THREADS"):
         env.pop(k, None)
     overrides = [f"data.shards={django_shards}", *tiny_model(), "data.max_tokens=600", "data.max_bytes=60",
                  "train.max_steps=4", "train.log_every=2", "train.valid_every=0", "train.valid_max_batches=2",
                  "train.save_every=0", "optim.warmup_steps=2", "eval.max_len_a=1.0", "eval.max_len_b=10",
                  "tracking.system_metrics=false"]
-    p = subprocess.run(["bash", str(ROOT / "launch.sh"), "--out", str(out), "--master_port", str(free_port()),
-                        *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    text = p.stdout + p.stderr
+    p = run_launch_sh(["--out", str(out), "--master_port", str(free_port()), *overrides], cwd=tmp_path, env=env)
+    text = p.stdout.decode("utf-8", errors="replace")  # bytes: text mode would turn \r into \n
     assert p.returncode == 0, text[-6000:]
     assert not calls.exists(), calls.read_text()  # nothing compiled, not even a compatibility probe
     assert not any(ext.iterdir()), list(ext.iterdir())
     found = [n for n in NOISE if n in text]
     assert not found, (found, text[-6000:])
-    for key in ("== training", "threads 1:", "step      2 | loss", "trained 4 steps", "== evaluating",
+    # the thread choice, once per process that logs (rank 0, then evaluate)
+    assert len(re.findall(r"threads \d+: \d+ usable core\(s\) \(affinity \d+\) / 2 rank\(s\) on this node$", text, re.M)) == 1
+    assert len(re.findall(r"threads \d+: \d+ usable core\(s\) \(affinity \d+\) / 1 rank\(s\) on this node", text)) == 1
+    for key in ("== training", "step      2 | loss", "trained 4 steps", "== evaluating",
                 "sentences/s", "BLEU", "== next"):
         assert key in text, (key, text[-6000:])
     # the evaluation's header starts a line of its own (a progress bar into a pipe used to swallow it)
-    assert re.search(rf"^checkpoint {re.escape(str(out))}\S* \(step 4\), split test:", p.stdout, re.M), p.stdout
-    nxt = p.stdout[p.stdout.index("== next"):].splitlines()
+    assert re.search(rf"^checkpoint {re.escape(str(out))}\S* \(step 4\), split test:", text, re.M), text
+    assert re.search(r"^decoding test: +\d+%", text, re.M) and "\r" not in text, text
+    nxt = text[text.index("== next"):].splitlines()
     q = str(out)
     assert any(ln.strip().startswith("echo ") and f"scaletrain translate --checkpoint {q} --src-lang" in ln for ln in nxt)
     assert any(f"scaletrain evaluate --checkpoint {q} --beam 4" in ln for ln in nxt)
