@@ -104,8 +104,15 @@ else
   # --log_level error: the runner's and launcher's INFO lines (their command lines, CUDA_VISIBLE_DEVICES on
   # a machine without GPU, "Unable to find hostfile") are not facts of the run; --verbose shows them.
   ds_log=error; [[ $verbose == 1 ]] && ds_log=info
-  launch_cmd=(deepspeed --log_level "$ds_log" --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain
-              train --config "$recipe" "${overrides[@]}")
+  if [[ ${#ds_args[@]} -eq 0 || ( ${#ds_args[@]} -eq 2 && -n "${launcher_opt[master_port]:-}" ) ]]; then
+    # one node: DeepSpeed's per-node launcher directly (no `deepspeed` dispatcher process, no MLflow import
+    # in the launcher; scaletrain/engine/launch.py), on a free port unless --master_port is given
+    launch_cmd=(python -m scaletrain.engine.launch --nproc "$nproc" --log_level "$ds_log"
+                --master_port "${launcher_opt[master_port]:-0}" -- scaletrain train --config "$recipe" "${overrides[@]}")
+  else
+    launch_cmd=(deepspeed --log_level "$ds_log" --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain
+                train --config "$recipe" "${overrides[@]}")
+  fi
 fi
 # Preemption: a signal to this script alone (a container runtime's SIGTERM to PID 1) goes to the launcher
 # and every rank (the deepspeed runner forwards signals only for multi-node launches). The ranks
