@@ -80,6 +80,10 @@ export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]
 # machine torch finds no GPU on; the ranks take the user's OMP_NUM_THREADS, not a launcher's.
 [[ "${plan[cuda]}" == 0 && -z "${DS_ACCELERATOR:-}" ]] && export DS_ACCELERATOR=cpu
 export SCALETRAIN_USER_OMP_NUM_THREADS="${OMP_NUM_THREADS:-}"
+# A fresh clone has no MLflow store yet: MLflow's schema migrations (3-10 s) run beside the corpus
+# preparation and the launcher's start, not on rank 0's way to the first step.
+python -m scaletrain.engine.preflight --init-tracking-store --config "$recipe" "${overrides[@]}" >/dev/null &
+store_pid=$!
 shards="${plan[shards]}"
 if [[ "${plan[prepare]}" == 1 ]]; then
   echo "== preparing the bundled corpus into $shards"
@@ -132,6 +136,7 @@ if [[ -f "$out/preempted.json" ]]; then
   exit 75
 fi
 [[ $rc -eq 0 ]] || exit "$rc"
+wait "$store_pid" 2>/dev/null || true
 t1=$(date +%s)
 echo "== training took $((t1 - t0))s"
 if [[ $do_eval == 1 ]]; then

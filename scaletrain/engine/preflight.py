@@ -3,6 +3,7 @@
     python -m scaletrain.engine.preflight --config small engine.precision=fp16 ...
     python -m scaletrain.engine.preflight --config small --print-precision   # what auto resolves to here
     python -m scaletrain.engine.preflight --config small --launch-plan ...    # what launch.sh needs, KEY=VALUE
+    python -m scaletrain.engine.preflight --config small --init-tracking-store  # a fresh clone's MLflow store
 
 runs the same checks the engines run at start-up (``launch.sh`` calls it once before the launcher).
 :func:`check_inputs` (the shard manifest and the output directory) imports neither torch nor any
@@ -126,6 +127,44 @@ def preflight(cfg, world_size: int = 1, cuda_available: bool | None = None, prec
     return None
 
 
+def init_tracking_store(cfg, project_dir: str | Path) -> Path | None:
+    """Create the run's local MLflow SQLite store if it does not exist yet, so that rank 0 finds it ready:
+    on a fresh clone MLflow's schema migrations take 3-10 s (2-core CPU, idle to busy), which ``launch.sh``
+    runs in the background beside the corpus preparation and the launcher's start instead of on the way to
+    the first step. The store is built under a temporary name and hard-linked into place only if the path is
+    still free: a rank that got there first keeps its own, and a killed build leaves no half-made store.
+    Returns the store's path, or None when there was nothing to do (tracking off, not a local SQLite URI,
+    the store exists)."""
+    if not cfg.tracking.enabled:
+        return None
+    from scaletrain.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(cfg.tracking.uri or None, project_dir)
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    db = Path(uri[len("sqlite:///"):])
+    db = db if db.is_absolute() else Path(project_dir) / db
+    if db.exists():
+        return None
+    db.parent.mkdir(parents=True, exist_ok=True)
+    for stale in db.parent.glob(f".{db.name}.init-*"):  # left by a killed build
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            stale.unlink(missing_ok=True)
+    tmp = db.with_name(f".{db.name}.init-{os.getpid()}")
+    try:
+        from mlflow import MlflowClient
+
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+        try:
+            os.link(tmp, db)
+        except FileExistsError:
+            return None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return db
+
+
 def launch_plan(cfg, world_size: int) -> dict[str, str]:
     """What ``launch.sh`` needs before it starts the launcher, after every check: ``prepare=1`` where the
     shards are the bundled corpus' and not built yet (any other missing path is an error)."""
@@ -155,6 +194,9 @@ def launch_plan(cfg, world_size: int) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     from scaletrain.config import load_config
+    from scaletrain.console import quiet_libraries, verbose_from_env
+
+    quiet_libraries(verbose_from_env())  # stdout is launch.sh's to parse; MLflow's store start says nothing
 
     ap = argparse.ArgumentParser(prog="python -m scaletrain.engine.preflight")
     ap.add_argument("--config", default="small")
@@ -163,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the resolved engine.precision on stdout (launch.sh exports it to every rank)")
     ap.add_argument("--launch-plan", action="store_true",
                     help="check the shards and the output directory too, and print KEY=VALUE lines for launch.sh")
+    ap.add_argument("--init-tracking-store", action="store_true",
+                    help="create the run's local MLflow store if missing (launch.sh runs it in the background)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.init_tracking_store:
+            init_tracking_store(cfg, os.getcwd())
+            return 0
         plan = launch_plan(cfg, args.world_size) if args.launch_plan else None
         if plan is None:
             preflight(cfg, args.world_size)

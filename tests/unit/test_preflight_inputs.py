@@ -90,3 +90,40 @@ def test_launch_plan_command_prints_key_values(tmp_path, django_shards, capsys):
     rc = main(["--launch-plan", "--config", "small", "data.shards=shards/djangoo-x"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("scaletrain: error: config key 'data.shards'")
+
+
+def test_tracking_store_made_once_atomically(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from scaletrain.engine.preflight import init_tracking_store
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / ".mlruns.db.init-999999999").write_text("left by a killed build")
+    db = init_tracking_store(_cfg(tmp_path), tmp_path)  # the default: the project's mlruns.db
+    assert db == tmp_path / "mlruns.db" and db.is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mlruns")] == []
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    assert client.create_experiment("x") and client.get_experiment_by_name("x")
+    mtime = db.stat().st_mtime_ns
+    assert init_tracking_store(_cfg(tmp_path), tmp_path) is None and db.stat().st_mtime_ns == mtime  # kept as is
+    assert init_tracking_store(_cfg(tmp_path / "b", "tracking.enabled=false"), tmp_path / "b") is None
+    assert init_tracking_store(_cfg(tmp_path / "c", "tracking.uri=http://127.0.0.1:9"), tmp_path / "c") is None
+    assert not (tmp_path / "b" / "mlruns.db").exists() and not (tmp_path / "c").exists()
+
+
+def test_tracking_store_of_a_rank_that_was_first_is_kept(tmp_path, monkeypatch):
+    import mlflow
+
+    from scaletrain.engine.preflight import init_tracking_store
+
+    db = tmp_path / "store.db"
+    real = mlflow.MlflowClient
+
+    class RankFirst(real):  # rank 0 creates the store while ours is being built
+        def search_experiments(self, *a, **k):
+            db.write_text("the rank's store")
+            return super().search_experiments(*a, **k)
+
+    monkeypatch.setattr(mlflow, "MlflowClient", RankFirst)
+    assert init_tracking_store(_cfg(tmp_path, f"tracking.uri=sqlite:///{db}"), tmp_path) is None
+    assert db.read_text() == "the rank's store" and len(list(tmp_path.iterdir())) == 1
