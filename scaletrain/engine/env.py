@@ -7,7 +7,8 @@ on a CPU accelerator whenever ``deepspeed.ops.__compatible_ops__`` says the op i
 that table probes every op (more gcc runs). The op serves only ``inference_all_reduce`` (tensor-parallel
 inference), which we never call; training all-reduces go through ``torch.distributed``.
 :func:`skip_unused_deepspeed_ops` puts a table in its place that answers False for that op and probes
-any other op only when asked (85 s of gcc on every cold start on a 2-core CPU, measured).
+any other op only when asked. The build cost 85 s on an idle 2-core CPU and 2.5-4 min on a busy one, at
+every start with an empty extensions cache (a fresh clone, a new TORCH_EXTENSIONS_DIR).
 
 Crashed ranks: the process group starts with ``engine.collective_timeout_minutes`` (gloo and NCCL), so
 a rank blocked on a dead or hung peer fails within that bound instead of torch's default (30 min gloo,

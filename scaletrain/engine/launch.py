@@ -23,7 +23,6 @@ import base64
 import json
 import os
 import shutil
-import socket
 import sys
 
 
@@ -44,12 +43,6 @@ def local_slots(nproc: int, visible: str | None) -> list[int] | None:
 def world_info(slots: list[int]) -> str:
     """DeepSpeed's ``--world_info``: urlsafe base64 of the JSON host -> slots map (as its runner encodes it)."""
     return base64.urlsafe_b64encode(json.dumps({"localhost": slots}).encode("utf-8")).decode("utf-8")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_argv(slots: list[int], port: int, log_level: str, command: list[str]) -> list[str]:
@@ -90,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except ScaletrainError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
+    from scaletrain.engine.env import _free_port
+
     port = args.master_port or _free_port()
     if slots is None:  # GPU UUIDs: DeepSpeed's own runner decides
         exe = shutil.which("deepspeed") or "deepspeed"
