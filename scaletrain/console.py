@@ -12,8 +12,8 @@
   unless the user chose a level.
 * Progress bars (tqdm, stderr): on a terminal as usual. Into a file or pipe a redrawing bar is one long line
   of ``\\r`` updates with the next output glued to its end; there stderr is wrapped by :class:`LineProgress`,
-  which writes each redraw as a line of its own and drops the clearing ones; tqdm draws a bar only for a task
-  still running after 5 s (``TQDM_DELAY``) and then at most every 15 s (``TQDM_MININTERVAL``).
+  which writes a bar's states as lines of their own: for a task still running after 5 s, at most one per
+  15 s and its last state; nothing for a task done sooner (no stale "0%" line).
 * ``--verbose`` (or ``SCALETRAIN_VERBOSE=1``; ``--debug`` implies it): every library's records at INFO,
   DEBUG with ``--debug``, nothing filtered.
 """
@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import sys
+import time
 
 VERBOSE_ENV = "SCALETRAIN_VERBOSE"
 LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "accelerate", "mlflow", "alembic", "matplotlib", "distutils",
@@ -82,16 +83,22 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 class LineProgress(io.TextIOBase):
-    """A text stream for stderr into a file or pipe: text ended by ``\r`` (a progress redraw) is written as a
-    line of its own; blank redraws (tqdm clearing its bar) are dropped; other text passes unchanged. A redraw
-    waits for the next ``\r``/``\n`` (so ``flush`` after a redraw writes nothing half-done)."""
+    """A text stream for stderr into a file or pipe. Text ended by ``\r`` is a progress redraw: the states of
+    a bar that runs ``delay`` s or longer are written as lines of their own, at most one per ``interval``
+    s, and its last state when it ends (cleared or closed); a bar done sooner leaves no line unless it is
+    closed with a final ``\n`` (tqdm's ``leave=True``), which writes that final state. Blank redraws are
+    dropped; other text passes unchanged. Throttled here, not through tqdm's ``TQDM_*`` variables, so no
+    setting leaks into child processes that may have a terminal."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, interval: float = 15.0, delay: float = 5.0, clock=time.monotonic):
         super().__init__()
-        self.raw = raw
+        self.raw, self.interval, self.delay, self.clock = raw, interval, delay, clock
         self._pending = ""
         self._redraw = False  # the pending text followed a \r
         self._open = False  # a partial line (flushed without its end) is on the output
+        self._bar_start = None  # when the current bar's first state completed
+        self._held = ""  # the bar's latest state not written yet
+        self._last = float("-inf")  # when a state was last written
 
     def writable(self) -> bool:
         return True
@@ -106,8 +113,26 @@ class LineProgress(io.TextIOBase):
     def isatty(self) -> bool:
         return False
 
+    def _state(self, seg: str, out: list) -> None:
+        """A redraw state completed (a \r followed it)."""
+        now = self.clock()
+        if self._bar_start is None:
+            self._bar_start = now
+        self._held = seg.rstrip()
+        if now - self._bar_start >= self.delay and now - self._last >= self.interval:
+            out.append(self._held + "\n")
+            self._held, self._last = "", now
+
+    def _end_bar(self, out: list, final: str = "") -> None:
+        """The bar was cleared (``final`` empty) or closed on a line of its own (``final``)."""
+        if final.strip():
+            out.append(final.rstrip() + "\n")
+        elif self._held and self._bar_start is not None and self.clock() - self._bar_start >= self.delay:
+            out.append(self._held + "\n")
+        self._bar_start, self._held = None, ""
+
     def write(self, s: str) -> int:
-        out = []
+        out: list[str] = []
         text = self._pending + s
         start = 0
         for i, ch in enumerate(text):
@@ -115,13 +140,18 @@ class LineProgress(io.TextIOBase):
                 continue
             seg = text[start:i]
             start = i + 1
-            if ch == "\n":
-                if seg or self._open or not self._redraw:
+            if self._open:  # a flushed partial line ends here
+                out.append(seg + "\n")
+                self._open = False
+            elif ch == "\n":
+                if self._redraw:
+                    self._end_bar(out, seg)
+                else:
                     out.append(seg + "\n")
-                self._open = False
-            elif seg.strip() or self._open:
-                out.append(seg.rstrip() + "\n")
-                self._open = False
+            elif seg.strip():
+                self._state(seg, out)
+            elif self._redraw:
+                self._end_bar(out)
             self._redraw = ch == "\r"
         self._pending = text[start:]
         if out:
@@ -149,8 +179,6 @@ def _line_safe_streams() -> None:
     except (OSError, ValueError, AttributeError):
         return
     if not tty:
-        os.environ.setdefault("TQDM_MININTERVAL", "15")
-        os.environ.setdefault("TQDM_DELAY", "5")  # a task done within seconds leaves no stale "0%" line
         sys.stderr = LineProgress(err)
 
 

@@ -43,8 +43,8 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
     env = dict(os.environ)
     env.update(PATH=f"{shims}:{env['PATH']}", TORCH_EXTENSIONS_DIR=str(ext),
                MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlruns.db", MPLCONFIGDIR=str(tmp_path / "mpl"),
-               PYTHONUNBUFFERED="1", TQDM_DELAY="0")  # a bar even for the short evaluation
-    for k in ("DS_ACCELERATOR", "SCALETRAIN_VERBOSE", "MLFLOW_LOGGING_LEVEL", "TQDM_MININTERVAL", "OMP_NUM_THREADS"):
+               PYTHONUNBUFFERED="1")
+    for k in ("DS_ACCELERATOR", "SCALETRAIN_VERBOSE", "MLFLOW_LOGGING_LEVEL", "OMP_NUM_THREADS"):
         env.pop(k, None)
     overrides = [f"data.shards={django_shards}", *tiny_model(), "data.max_tokens=600", "data.max_bytes=60",
                  "train.max_steps=4", "train.log_every=2", "train.valid_every=0", "train.valid_max_batches=2",
@@ -63,9 +63,10 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
     for key in ("== training", "step      2 | loss", "trained 4 steps", "== evaluating",
                 "sentences/s", "BLEU", "== next"):
         assert key in text, (key, text[-6000:])
-    # the evaluation's header starts a line of its own (a progress bar into a pipe used to swallow it)
+    # the evaluation's header starts a line of its own (tqdm's bar into a pipe used to swallow it) and no
+    # redraw (\r) reaches the log
     assert re.search(rf"^checkpoint {re.escape(str(out))}\S* \(step 4\), split test:", text, re.M), text
-    assert re.search(r"^decoding test: +\d+%", text, re.M) and "\r" not in text, text
+    assert "\r" not in text, text
     nxt = text[text.index("== next"):].splitlines()
     q = str(out)
     assert any(ln.strip().startswith("echo ") and f"scaletrain translate --checkpoint {q} --src-lang" in ln for ln in nxt)

@@ -54,31 +54,54 @@ def test_verbose_from_env():
     assert not console.verbose_from_env({})
 
 
-def _through(writes, flush_each=True):
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _through(writes, clock=None, flush_each=True):
+    """``writes``: strings, or numbers = seconds to advance the clock."""
     raw = io.StringIO()
-    lp = LineProgress(raw)
+    clock = clock or Clock()
+    lp = LineProgress(raw, interval=15, delay=5, clock=clock)
     for w in writes:
+        if isinstance(w, (int, float)):
+            clock.t += w
+            continue
         lp.write(w)
         if flush_each:
             lp.flush()
     return raw.getvalue()
 
 
-def test_progress_redraws_become_lines_and_the_next_output_starts_a_line():
-    # tqdm into a file: redraws separated by \r, a clearing redraw of spaces at close (leave=False)
-    out = _through(["decoding test:   0%|  | 0/276", "\rdecoding test:  38%|# | 106/276",
-                    "\r" + " " * 40 + "\r", "checkpoint runs/x (step 3), split test\n"])
-    assert out.splitlines() == ["decoding test:   0%|  | 0/276", "decoding test:  38%|# | 106/276",
-                                "checkpoint runs/x (step 3), split test"]
+CLEAR = "\r" + " " * 40 + "\r"  # tqdm clearing its bar at close (leave=False)
 
 
-def test_progress_first_draw_and_leave_true():
-    out = _through(["header\n", "\rbar 0%", "\rbar 100%", "\n", "after\n"])
-    assert out == "header\nbar 0%\nbar 100%\nafter\n"
+def test_a_short_bar_leaves_nothing_and_the_next_output_starts_a_line():
+    out = _through(["\rdecoding test:   0%|  | 0/276", 0.5, "\rdecoding test:  38%|# | 106/276", 1, CLEAR,
+                    "checkpoint runs/x (step 3), split test\n"])
+    assert out == "checkpoint runs/x (step 3), split test\n"
+
+
+def test_a_long_bar_one_line_per_interval_and_its_last_state():
+    w = ["header\n"]
+    for i in range(60):  # a state per second for a minute
+        w += [f"\rbar {i}s", 1]
+    out = _through(w + [CLEAR, "after\n"])
+    # states complete when the next redraw starts: the first at t=1 s; written once 5 s into the bar, then
+    # at most every 15 s; the last state (59 s) when the bar is cleared
+    assert out.splitlines() == ["header", "bar 5s", "bar 20s", "bar 35s", "bar 50s", "bar 59s", "after"]
+
+
+def test_a_bar_closed_on_its_own_line_keeps_its_final_state():
+    assert _through(["header\n", "\rbar 0%", "\rbar 100%", "\n", "after\n"]) == "header\nbar 100%\nafter\n"
 
 
 def test_plain_text_and_partial_lines_pass_unchanged():
     assert _through(["a warning\n", "two\nlines\n"]) == "a warning\ntwo\nlines\n"
     assert _through(["no end yet", " still", "\n"], flush_each=False) == "no end yet still\n"
-    # a partial line already flushed, then a redraw: the partial line is ended first
+    # a partial line already flushed, then a bar: the partial line is ended first
     assert _through(["prompt", "\rbar 5%", "\n"]) == "prompt\nbar 5%\n"
