@@ -73,7 +73,7 @@ num_nodes=${launcher_opt[num_nodes]:-1}
 # directory fail here in one line. engine.precision=auto is resolved here once (GPU bf16 support / CPU bf16
 # units + GEMM probe) and exported, so every rank of the job runs the same precision.
 declare -A plan=()
-plan_out=$(python -m scaletrain.engine.preflight --launch-plan --config "$recipe" --world-size $((nproc * num_nodes)) "${overrides[@]}")
+plan_out=$(python -m scaletrain.engine.preflight --launch-plan --config "$recipe" --world-size $((nproc * num_nodes)) --local-ranks "$nproc" "${overrides[@]}")
 while IFS='=' read -r key value; do plan["$key"]="$value"; done <<<"$plan_out"
 export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]}}"
 # Quiet start: DeepSpeed need not probe for an accelerator (its "Setting accelerator to CPU" warning) on a
@@ -94,6 +94,9 @@ t0=$(date +%s)
 if [[ "$engine" == accelerate ]]; then
   # Accelerate: our YAML (DDP or the DeepSpeed plugin, from engine.accelerate); launcher flags mapped.
   acc_args=(--num_processes $((nproc * num_nodes)))
+  # its launcher (torch.distributed.run under the DeepSpeed plugin) warns when OMP_NUM_THREADS is unset; the
+  # ranks pick their threads by our rule either way (the user's value is in SCALETRAIN_USER_OMP_NUM_THREADS)
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${plan[threads]}}"
   [[ -n "${launcher_opt[hostfile]:-}" ]] && { echo "launch.sh: --hostfile is a deepspeed-launcher option; with --engine accelerate give --num_nodes/--node_rank/--master_addr on each node" >&2; exit 2; }
   [[ $num_nodes -gt 1 ]] && acc_args+=(--num_machines "$num_nodes" --machine_rank "${launcher_opt[node_rank]:-0}")
   [[ -n "${launcher_opt[master_addr]:-}" ]] && acc_args+=(--main_process_ip "${launcher_opt[master_addr]}")

@@ -165,7 +165,7 @@ def init_tracking_store(cfg, project_dir: str | Path) -> Path | None:
     return db
 
 
-def launch_plan(cfg, world_size: int) -> dict[str, str]:
+def launch_plan(cfg, world_size: int, local_ranks: int | None = None) -> dict[str, str]:
     """What ``launch.sh`` needs before it starts the launcher, after every check: ``prepare=1`` where the
     shards are the bundled corpus' and not built yet (any other missing path is an error)."""
     import torch
@@ -179,7 +179,11 @@ def launch_plan(cfg, world_size: int) -> dict[str, str]:
     else:
         check_inputs(cfg)
     preflight(cfg, world_size)
+    from scaletrain.threads import CpuBudget, plan_threads
+
+    threads, _ = plan_threads(CpuBudget.detect(), local_ranks=max(1, local_ranks or world_size))  # per rank
     plan = {"shards": str(cfg.data.shards), "prepare": str(int(prepare)), "precision": cfg.engine.precision,
+            "threads": str(cfg.engine.threads or threads),
             "backend": cfg.engine.backend, "accelerate": cfg.engine.accelerate, "out_dir": str(cfg.out_dir),
             "cuda": str(int(torch.cuda.is_available()))}
     if uses_deepspeed(cfg):
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scaletrain.engine.preflight")
     ap.add_argument("--config", default="small")
     ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--local-ranks", type=int, default=0, help="ranks on this node (default: the world size)")
     ap.add_argument("--print-precision", action="store_true",
                     help="print the resolved engine.precision on stdout (launch.sh exports it to every rank)")
     ap.add_argument("--launch-plan", action="store_true",
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.init_tracking_store:
             init_tracking_store(cfg, os.getcwd())
             return 0
-        plan = launch_plan(cfg, args.world_size) if args.launch_plan else None
+        plan = launch_plan(cfg, args.world_size, args.local_ranks) if args.launch_plan else None
         if plan is None:
             preflight(cfg, args.world_size)
     except ScaletrainError as e:

@@ -76,6 +76,11 @@ def test_launch_plan_prepares_only_the_bundled_corpus(tmp_path, monkeypatch):
     plan = launch_plan(_cfg(tmp_path, f"data.shards={BUNDLED_SHARDS}"), world_size=2)
     assert plan["prepare"] == "1" and plan["shards"] == BUNDLED_SHARDS and plan["precision"] == "fp32"
     assert plan["ds_json"].endswith("zero0.json") and plan["cuda"] in ("0", "1")
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert plan["threads"] == str(max(1, cores // 2))  # the ranks' rule, for the launcher's OMP_NUM_THREADS
+    assert launch_plan(_cfg(tmp_path, "engine.threads=3"), world_size=2)["threads"] == "3"
     with pytest.raises(ScaletrainError, match="shards/djangoo does not exist"):
         launch_plan(_cfg(tmp_path, "data.shards=shards/djangoo"), world_size=2)
     assert not (tmp_path / "shards").exists()
