@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 
 from helpers import ROOT, free_port, run_launch_sh, tiny_model
 
@@ -79,3 +80,22 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
     t = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={**env, "PATH": f"{ROOT / '.venv' / 'bin'}:{env['PATH']}"})
     assert t.returncode == 0 and len(t.stdout.splitlines()) == 1, (t.stdout, t.stderr)
+
+
+def test_verbose_shows_the_libraries_lines_again(tmp_path, django_shards):
+    """One process, one step: quiet by default; --verbose lets DeepSpeed's own lines through again (at its
+    own default level: its warnings)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "SCALETRAIN_VERBOSE")}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlruns.db", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    args = ["train", "--config", "small", f"data.shards={django_shards}", *tiny_model(), "data.max_tokens=600",
+            "data.max_bytes=60", "train.max_steps=1", "train.valid_every=0", "train.valid_max_batches=1",
+            "train.save_every=0", "tracking.enabled=false"]
+    outs = {}
+    for flag in ((), ("--verbose",)):
+        p = subprocess.run([sys.executable, "-m", "scaletrain", *flag, *args, f"train.out_dir={tmp_path / str(len(flag))}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[bool(flag)] = p.stdout + p.stderr
+    assert "trained 1 steps" in outs[False] and "trained 1 steps" in outs[True]
+    assert "Setting accelerator to CPU" not in outs[False] and "[WARNING]" not in outs[False]
+    assert "Setting accelerator to CPU" in outs[True], outs[True][-3000:]
