@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: prepare the bundled corpus if missing, train on every local GPU (2 CPU ranks when
-# there is none), evaluate, and print BLEU/chrF and where the MLflow run is.
+# there is none), evaluate, print BLEU/chrF and the commands to try next on this run.
 #
 #   ./launch.sh                                   # default: recipe "small", bounded budget
 #   ./launch.sh --recipe base optim.lr=7e-4       # a recipe and dotted overrides
@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 usage() {
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
-  cat <<USAGE
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  cat <<'USAGE'
 options:
   --recipe NAME|PATH     packaged recipe or YAML file (default: small)
   --nproc N              processes per node (default: #GPUs, or 2 on a CPU-only machine)
@@ -23,12 +23,17 @@ options:
   --engine E             deepspeed (default) or accelerate
   --out DIR              run directory (default: runs/RECIPE-TIMESTAMP)
   --no-eval              skip evaluation
+  --verbose              every library's log lines too (DeepSpeed's launcher, MLflow, ...)
+  KEY=VALUE              config overrides (e.g. train.max_steps=200)
+
+Only the bundled corpus (data.shards=shards/django, the default) is built here when missing; any other
+data.shards must hold shards written by 'scaletrain prepare' (else one error line, exit 2, nothing started).
+At the end: the commands to try next on this run (translate, evaluate with a beam, compare, export, mlflow ui).
 SIGTERM/SIGINT/SIGUSR1 to this script or the job's process group: every rank checkpoints at the next step
 boundary, the MLflow run ends KILLED, exit code 75; re-run with the same --out to resume.
-  KEY=VALUE              config overrides (e.g. train.max_steps=200)
 USAGE
 }
-recipe=small; nproc=""; engine=deepspeed; out=""; do_eval=1
+recipe=small; nproc=""; engine=deepspeed; out=""; do_eval=1; verbose=0
 ds_args=(); overrides=()
 declare -A launcher_opt=()
 while [[ $# -gt 0 ]]; do
@@ -42,11 +47,13 @@ while [[ $# -gt 0 ]]; do
     --engine) engine="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --no-eval) do_eval=0; shift ;;
+    --verbose) verbose=1; shift ;;
     *=*) overrides+=("$1"); shift ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 bash scripts/bootstrap.sh
+user_path="$PATH"
 export PATH="$PWD/.venv/bin:$PATH"
 if [[ -z "$nproc" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -60,17 +67,26 @@ overrides+=("train.out_dir=$out")
 [[ "$engine" == deepspeed || "$engine" == accelerate ]] || { echo "launch.sh: --engine must be deepspeed or accelerate" >&2; exit 2; }
 [[ "$engine" == accelerate ]] && overrides=("engine.backend=accelerate" "${overrides[@]}")
 num_nodes=${launcher_opt[num_nodes]:-1}
-# Validate the config (and learn the shard directory) before starting any process: unknown keys,
-# ZeRO stage, ds_config file, fp16 without a GPU... fail here with one message.
-resolved=$(scaletrain train --config "$recipe" "${overrides[@]}" --print-config)
-# engine.precision=auto is resolved here once (GPU bf16 support / CPU bf16 units + GEMM probe) and exported,
-# so every rank of the job runs the same precision.
-auto_prec=$(python -m scaletrain.engine.preflight --config "$recipe" --world-size $((nproc * num_nodes)) --print-precision "${overrides[@]}")
-export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-$auto_prec}"
-cfg_get() { python -c 'import sys,yaml; c=yaml.safe_load(sys.stdin); sec,key=sys.argv[1].split("."); print(c[sec][key])' "$1" <<<"$resolved"; }
-shards=$(cfg_get data.shards)
-if [[ ! -f "$shards/manifest.json" ]]; then
-  echo "== preparing bundled corpus into $shards"
+[[ $verbose == 1 ]] && export SCALETRAIN_VERBOSE=1
+# One check before any process starts: the config (unknown keys, ZeRO stage, ds_config file, fp16 without
+# a GPU...), the shards (only the bundled corpus may be missing: it is built below) and the output
+# directory fail here in one line. engine.precision=auto is resolved here once (GPU bf16 support / CPU bf16
+# units + GEMM probe) and exported, so every rank of the job runs the same precision.
+declare -A plan=()
+plan_out=$(python -m scaletrain.engine.preflight --launch-plan --config "$recipe" --world-size $((nproc * num_nodes)) --local-ranks "$nproc" "${overrides[@]}")
+while IFS='=' read -r key value; do plan["$key"]="$value"; done <<<"$plan_out"
+export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]}}"
+# Quiet start: DeepSpeed need not probe for an accelerator (its "Setting accelerator to CPU" warning) on a
+# machine torch finds no GPU on; the ranks take the user's OMP_NUM_THREADS, not a launcher's.
+[[ "${plan[cuda]}" == 0 && -z "${DS_ACCELERATOR:-}" ]] && export DS_ACCELERATOR=cpu
+export SCALETRAIN_USER_OMP_NUM_THREADS="${OMP_NUM_THREADS:-}"
+# A fresh clone has no MLflow store yet: MLflow's schema migrations (3-10 s) run beside the corpus
+# preparation and the launcher's start, not on rank 0's way to the first step.
+python -m scaletrain.engine.preflight --init-tracking-store --config "$recipe" "${overrides[@]}" >/dev/null &
+store_pid=$!
+shards="${plan[shards]}"
+if [[ "${plan[prepare]}" == 1 ]]; then
+  echo "== preparing the bundled corpus into $shards"
   scaletrain prepare --out "$shards" --overwrite
 fi
 echo "== training $recipe on $nproc process(es) per node with $engine -> $out"
@@ -78,20 +94,32 @@ t0=$(date +%s)
 if [[ "$engine" == accelerate ]]; then
   # Accelerate: our YAML (DDP or the DeepSpeed plugin, from engine.accelerate); launcher flags mapped.
   acc_args=(--num_processes $((nproc * num_nodes)))
+  # its launcher (torch.distributed.run under the DeepSpeed plugin) warns when OMP_NUM_THREADS is unset; the
+  # ranks pick their threads by our rule either way (the user's value is in SCALETRAIN_USER_OMP_NUM_THREADS)
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${plan[threads]}}"
   [[ -n "${launcher_opt[hostfile]:-}" ]] && { echo "launch.sh: --hostfile is a deepspeed-launcher option; with --engine accelerate give --num_nodes/--node_rank/--master_addr on each node" >&2; exit 2; }
   [[ $num_nodes -gt 1 ]] && acc_args+=(--num_machines "$num_nodes" --machine_rank "${launcher_opt[node_rank]:-0}")
   [[ -n "${launcher_opt[master_addr]:-}" ]] && acc_args+=(--main_process_ip "${launcher_opt[master_addr]}")
   [[ -n "${launcher_opt[master_port]:-}" ]] && acc_args+=(--main_process_port "${launcher_opt[master_port]}")
-  if [[ "$(cfg_get engine.accelerate)" == deepspeed ]]; then
-    ds_json=$(python -c 'import sys; from scaletrain.engine.ds_config import resolve_ds_config_path as r; print(r(sys.argv[1]))' "$(cfg_get engine.ds_config)")
-    acc_args+=(--config_file ds_configs/accelerate_deepspeed.yaml --deepspeed_config_file "$ds_json")
+  if [[ "${plan[accelerate]}" == deepspeed ]]; then
+    acc_args+=(--config_file ds_configs/accelerate_deepspeed.yaml --deepspeed_config_file "${plan[ds_json]}")
   else
     acc_args+=(--config_file ds_configs/accelerate_ddp.yaml)
   fi
   launch_cmd=(accelerate launch "${acc_args[@]}" -m scaletrain train --config "$recipe" "${overrides[@]}")
 else
-  launch_cmd=(deepspeed --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain
-              train --config "$recipe" "${overrides[@]}")
+  # --log_level error: the runner's and launcher's INFO lines (their command lines, CUDA_VISIBLE_DEVICES on
+  # a machine without GPU, "Unable to find hostfile") are not facts of the run; --verbose shows them.
+  ds_log=error; [[ $verbose == 1 ]] && ds_log=info
+  if [[ ${#ds_args[@]} -eq 0 || ( ${#ds_args[@]} -eq 2 && -n "${launcher_opt[master_port]:-}" ) ]]; then
+    # one node: DeepSpeed's per-node launcher directly (no `deepspeed` dispatcher process, no MLflow import
+    # in the launcher; scaletrain/engine/launch.py), on a free port unless --master_port is given
+    launch_cmd=(python -m scaletrain.engine.launch --nproc "$nproc" --log_level "$ds_log"
+                --master_port "${launcher_opt[master_port]:-0}" -- scaletrain train --config "$recipe" "${overrides[@]}")
+  else
+    launch_cmd=(deepspeed --log_level "$ds_log" --num_gpus "$nproc" "${ds_args[@]}" --no_local_rank --module scaletrain
+                train --config "$recipe" "${overrides[@]}")
+  fi
 fi
 # Preemption: a signal to this script alone (a container runtime's SIGTERM to PID 1) goes to the launcher
 # and every rank (the deepspeed runner forwards signals only for multi-node launches). The ranks
@@ -111,10 +139,45 @@ if [[ -f "$out/preempted.json" ]]; then
   exit 75
 fi
 [[ $rc -eq 0 ]] || exit "$rc"
+wait "$store_pid" 2>/dev/null || true
 t1=$(date +%s)
 echo "== training took $((t1 - t0))s"
 if [[ $do_eval == 1 ]]; then
   echo "== evaluating $out on the test split"
   scaletrain evaluate --checkpoint "$out" --json "$out/eval_test.json"
 fi
-echo "== MLflow: run 'mlflow ui --backend-store-uri ${MLFLOW_TRACKING_URI:-sqlite:///$PWD/mlruns.db}' and open the experiment 'scaletrain'"
+# What to try next, on this run (the venv's commands: activate it first unless scaletrain is on PATH).
+python - "$out" "$(PATH="$user_path" command -v scaletrain || true)" <<'NEXT'
+import json, shlex, sys
+from pathlib import Path
+run, on_path = Path(sys.argv[1]), sys.argv[2]
+q = shlex.quote(str(run))
+langs = ["en", "de"]
+try:
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    langs = json.loads((ckpt / "langs.json").read_text()) or langs
+except (OSError, ValueError):
+    pass
+src = "en" if "en" in langs else langs[0]
+tgt = "de" if "de" in langs and src != "de" else next((l for l in langs if l != src), src)
+try:
+    info = json.loads((run / "tracking" / "run.json").read_text())
+    uri, exp = info["uri"], info.get("experiment", "scaletrain")
+except (OSError, ValueError, KeyError):
+    uri, exp = None, None
+print("== next: try these on this run" + ("" if on_path else " (first: source .venv/bin/activate)"))
+print(f"  echo 'Save changes' | scaletrain translate --checkpoint {q} --src-lang {src} --tgt-lang {tgt}")
+print(f"  scaletrain evaluate --checkpoint {q} --beam 4 --json {shlex.quote(str(run / 'eval_test_beam4.json'))}")
+others = sorted((p.parent.parent for p in run.parent.glob("*/tracking/run.json")
+                 if p.parent.parent.resolve() != run.resolve()), key=lambda p: p.stat().st_mtime)
+other = f" {shlex.quote(str(others[-1]))}" if others else ""
+print(f"  scaletrain compare {q}{other} --plot {shlex.quote(str(run / 'compare.png'))}    # more run dirs or run ids: more columns")
+print(f"  scaletrain export {q} --out {shlex.quote(str(run / 'model.safetensors'))}"
+      f"    # or --format hf --out {shlex.quote(str(run / 'hf'))}")
+if uri and uri.startswith(("sqlite:", "file:", "/")):
+    print(f"  mlflow ui --backend-store-uri {shlex.quote(uri)}    # then open experiment '{exp}', run {info['run_id']}")
+elif uri:
+    print(f"  MLflow: {uri} (experiment '{exp}', run {info['run_id']})")
+else:
+    print("  (MLflow tracking was off for this run: tracking.enabled=false)")
+NEXT

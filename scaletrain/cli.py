@@ -1,13 +1,15 @@
 """Command line: thin; builds the parser from :mod:`scaletrain.commands`, parses, dispatches.
 
 Every subcommand is a module of :mod:`scaletrain.commands` that registers itself. Errors a user can fix
-are printed as one line without a traceback (``--debug`` shows one).
+are printed as one line without a traceback (``--debug`` shows one). Before a command runs, this module
+sets up the console (:func:`scaletrain.console.setup_console`: our log lines, the libraries' noise
+filtered unless ``--verbose``) and, for the commands that decode (``evaluate``, ``translate``), torch's
+CPU threads (:func:`scaletrain.threads.apply_threads`, ``--threads N``). Building the parser imports no
+heavy library: ``scaletrain train`` with a wrong path fails before torch's engines load.
 """
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 
 from scaletrain import __version__
@@ -30,12 +32,15 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+DECODING_COMMANDS = ("evaluate", "translate")  # get --threads and the inference thread rule
+STDOUT_IS_DATA = ("translate",)  # log lines go to stderr: stdout carries the translations only
+
+
 def _setup_logging(debug: bool) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    level = logging.DEBUG if debug else (logging.INFO if rank == 0 else logging.WARNING)
-    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "mlflow", "alembic", "urllib3", "git"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """For scripts run under a launcher that call :func:`main`'s set-up without its parser (test drivers)."""
+    from scaletrain.console import setup_console
+
+    setup_console(debug=debug)
 
 
 def _commands() -> tuple:
@@ -53,18 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training of byte-level multilingual NMT models (DeepSpeed / Accelerate).",
     )
     p.add_argument("--version", action="version", version=f"scaletrain {__version__}")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (implies --verbose)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every library's log lines (DeepSpeed, Accelerate, MLflow, ...); also SCALETRAIN_VERBOSE=1")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in _commands():
         command.register(sub)
+    for name in DECODING_COMMANDS:
+        sub.choices[name].add_argument(
+            "--threads", type=int, default=None, metavar="N",
+            help="CPU threads (default: $OMP_NUM_THREADS, else the usable cores that are idle; logged)")
     return p
+
+
+def _setup_threads(args) -> None:
+    if args.command not in DECODING_COMMANDS:
+        return  # training sets its own per rank (engine.threads); the other commands barely compute
+    if args.threads is not None and args.threads < 1:
+        raise ScaletrainError(f"--threads must be >= 1, got {args.threads}")
+    if getattr(args, "device", None) not in (None, "cpu"):
+        return
+    from scaletrain.threads import apply_threads
+
+    apply_threads(requested=args.threads, inference=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    _setup_logging(args.debug)
+    from scaletrain.console import setup_console
+
+    setup_console(debug=args.debug, verbose=args.verbose,
+                  log_stream=sys.stderr if args.command in STDOUT_IS_DATA else sys.stdout)
     try:
+        _setup_threads(args)
         return int(args.func(args) or 0)
     except ScaletrainError as e:
         if args.debug:

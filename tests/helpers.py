@@ -205,3 +205,27 @@ def wait_for_log(p: subprocess.Popen, log: Path, text: str, timeout: float = 240
     while text not in log.read_text():
         assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.1)
+
+
+def run_launch_sh(args, cwd, env=None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``bash launch.sh ARGS`` with stdout and stderr in one byte stream (as a log file gets them); on a
+    timeout the script's whole session (launcher and ranks) is killed before the error is raised."""
+    import signal
+    import time
+
+    p = subprocess.Popen(["bash", str(ROOT / "launch.sh"), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+                try:
+                    if os.getsid(pid) == p.pid:
+                        os.kill(pid, sig)
+                except OSError:
+                    pass
+            time.sleep(5)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, b"")

@@ -13,7 +13,7 @@ Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others 
 """
 from __future__ import annotations
 
-from scaletrain.checkpoint_tools import DTYPES
+DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.checkpoint_tools.DTYPES (named here: the parser imports no torch)
 
 
 def register(subparsers) -> None:

@@ -3,7 +3,10 @@
     scaletrain train --config small data.shards=shards/mini optim.lr=2e-3
     scaletrain train --config small --print-config
 
-The work is :func:`scaletrain.train.train`; rank 0 prints a one-line summary at the end. SIGTERM,
+The config, the shard manifest and the output directory are checked first
+(:func:`scaletrain.engine.preflight.check_inputs`), before DeepSpeed, Accelerate or MLflow is imported: a
+wrong path fails in a second or two. The work is :func:`scaletrain.train.train`; rank 0 prints a one-line
+summary at the end. SIGTERM,
 SIGUSR1 or SIGINT: a checkpoint at the next step boundary, the MLflow run ends KILLED, exit code 75;
 re-running the same command resumes.
 """
@@ -20,16 +23,25 @@ def register(subparsers) -> None:
     tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
     tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    tr.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads per rank (= engine.threads=N; default: usable cores / ranks on the node, "
+                         "or $OMP_NUM_THREADS)")
     tr.set_defaults(func=run)
 
 
 def run(args) -> int:
     from scaletrain.config import dump_yaml, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.threads is not None:
+        overrides.append(f"engine.threads={args.threads}")
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    from scaletrain.engine.preflight import check_inputs
+
+    check_inputs(cfg)  # before the engines' libraries load: a wrong path fails in a second or two
     from scaletrain.train import train
 
     res = train(cfg)

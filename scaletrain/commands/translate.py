@@ -24,7 +24,6 @@ import os
 import sys
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.translate import iter_line_batches, iter_object_batches, translate_stream
 
 
 def register(subparsers) -> None:
@@ -99,6 +98,7 @@ def run(args) -> int:
     import torch
 
     from scaletrain.checkpoint import load_for_inference
+    from scaletrain.eval.translate import iter_line_batches, iter_object_batches, translate_stream
 
     for name in ("beam", "batch_lines", "batch_tokens"):
         v = getattr(args, name)

@@ -1,6 +1,15 @@
 """Process environment for the engines: launcher variables, process-group start, CPU threads, and
 what a surviving rank says when a peer died (:class:`Peers`).
 
+Nothing is compiled at start-up: DeepSpeed's communication backend (``deepspeed/comm/torch.py``,
+``TorchBackend.__init__``) JIT-builds its shared-memory all-reduce op (``ShareMemCommBuilder``) with gcc
+on a CPU accelerator whenever ``deepspeed.ops.__compatible_ops__`` says the op is compatible, and reading
+that table probes every op (more gcc runs). The op serves only ``inference_all_reduce`` (tensor-parallel
+inference), which we never call; training all-reduces go through ``torch.distributed``.
+:func:`skip_unused_deepspeed_ops` puts a table in its place that answers False for that op and probes
+any other op only when asked. The build cost 85 s on an idle 2-core CPU and 2.5-4 min on a busy one, at
+every start with an empty extensions cache (a fresh clone, a new TORCH_EXTENSIONS_DIR).
+
 Crashed ranks: the process group starts with ``engine.collective_timeout_minutes`` (gloo and NCCL), so
 a rank blocked on a dead or hung peer fails within that bound instead of torch's default (30 min gloo,
 10 min NCCL); a peer that died outright closes its sockets and the blocked collective fails at once.
@@ -58,6 +67,7 @@ def init_deepspeed_distributed(backend: str, timeout: timedelta | None = None) -
     """
     import deepspeed
 
+    skip_unused_deepspeed_ops()
     kw = {"timeout": timeout} if timeout is not None else {}
     deepspeed.init_distributed(dist_backend=backend, verbose=False, **kw)
     if torch.cuda.is_available() or not dist.is_initialized():
@@ -72,15 +82,54 @@ def init_deepspeed_distributed(backend: str, timeout: timedelta | None = None) -
         pass
 
 
-def configure_threads(cfg) -> None:
-    if not torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0)
-        if local <= 0:
-            local = max(1, int(os.environ.get("WORLD_SIZE", "1")))  # single-node launch
-        n = cfg.engine.threads or max(1, (os.cpu_count() or 1) // local)
-        torch.set_num_threads(n)
-        # Denormals wreck fp32 CPU throughput (measured 32 vs 748 tokens/s on nn.Transformer).
-        torch.set_flush_denormal(True)
+UNUSED_DEEPSPEED_OPS = ("deepspeed_shm_comm",)  # ShareMemCommBuilder.NAME: inference_all_reduce only
+
+
+class _LazyCompatibleOps(dict):
+    """``deepspeed.ops.__compatible_ops__``, probed one op at a time on first look-up (DeepSpeed probes
+    every op, compiling test programs, on first access); the ops in ``skip`` are never probed or built."""
+
+    def __init__(self, skip, known=None):
+        super().__init__(known or {})
+        self.update({name: False for name in skip})
+
+    def __missing__(self, name):
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+        builder = ALL_OPS.get(name)
+        ok = bool(builder is not None and probe_is_compatible(builder))
+        self[name] = ok
+        return ok
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except (KeyError, ImportError):
+            return default
+
+
+def skip_unused_deepspeed_ops(skip=UNUSED_DEEPSPEED_OPS) -> None:
+    """Before DeepSpeed's communication backend starts: mark the ops we never use as incompatible, so it
+    does not JIT-build them (gcc) at start-up. Safe to call more than once."""
+    import deepspeed.ops as ops
+
+    table = vars(ops).get("__compatible_ops__")  # DeepSpeed < 0.19 computes it at import
+    if isinstance(table, _LazyCompatibleOps):
+        return
+    ops.__compatible_ops__ = _LazyCompatibleOps(skip, known=table)
+
+
+def configure_threads(cfg) -> int:
+    """The rank's torch threads (:func:`scaletrain.threads.apply_threads`: ``engine.threads``, else the user's
+    OMP_NUM_THREADS, else usable cores / ranks on this node; a single-node launch without LOCAL_* variables
+    counts WORLD_SIZE ranks)."""
+    from scaletrain.threads import apply_threads, local_ranks_from_env
+
+    local = local_ranks_from_env()
+    if "LOCAL_WORLD_SIZE" not in os.environ and "LOCAL_SIZE" not in os.environ:
+        local = max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    return apply_threads(requested=cfg.engine.threads or None, local_ranks=local)
 
 
 class Peers:

@@ -35,7 +35,8 @@ PREEMPTED_FILE = "preempted.json"  # OUT/preempted.json: written by rank 0 after
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-LAUNCHER_MODULE = "deepspeed.launcher.launch"  # DeepSpeed's per-node launcher (the ranks' parent)
+# DeepSpeed's per-node launcher (the ranks' parent); launch.sh runs it in-process for one node via the second
+LAUNCHER_MODULES = ("deepspeed.launcher.launch", "scaletrain.engine.launch")
 
 
 class LauncherWatch:
@@ -55,7 +56,7 @@ class LauncherWatch:
         try:
             me = psutil.Process()
             parent = me.parent()
-            if parent is None or LAUNCHER_MODULE not in " ".join(parent.cmdline()):
+            if parent is None or not any(m in " ".join(parent.cmdline()) for m in LAUNCHER_MODULES):
                 return []
             runner = parent.parent()
             if runner is not None and runner.pid != 1 and "deepspeed" in " ".join(runner.cmdline()):

@@ -59,3 +59,53 @@ def test_help_lists_commands():
     assert p.returncode == 0
     for c in ("prepare", "train", "evaluate"):
         assert c in p.stdout
+
+
+HEAVY = ("deepspeed", "accelerate", "mlflow", "transformers", "matplotlib")
+
+
+def test_missing_shards_fail_before_the_engines_libraries_load(tmp_path):
+    """`scaletrain train` with a wrong data.shards: the line comes before DeepSpeed, Accelerate, MLflow or
+    transformers is imported (-X importtime lists every import), within seconds, with nothing created."""
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "scaletrain", "train", "--config", "small",
+                        f"data.shards={tmp_path / 'missing'}", f"train.out_dir={tmp_path / 'run'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    secs = time.time() - t0
+    imported = {ln.split("|")[-1].strip().split(".")[0] for ln in p.stderr.splitlines() if ln.startswith("import time:")}
+    p.stderr = "\n".join(ln for ln in p.stderr.splitlines() if not ln.startswith("import time:"))
+    assert_one_line_error(p, "config key 'data.shards'", str(tmp_path / "missing"), "scaletrain prepare")
+    assert "torch" in imported  # the parse really was traced
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+    assert secs < 15, secs  # a sanity bound only (the machine may be busy): the import check above is the test
+    assert not (tmp_path / "run").exists()
+
+
+def test_unwritable_out_dir_fails_before_the_engines_libraries_load(tmp_path, django_shards):
+    (tmp_path / "file").write_text("x")
+    p = cli("train", "--config", "small", f"data.shards={django_shards}", f"train.out_dir={tmp_path / 'file' / 'run'}")
+    assert_one_line_error(p, "config key 'train.out_dir'", "cannot be created")
+
+
+def test_launch_sh_builds_only_the_bundled_corpus(tmp_path):
+    """A typo in data.shards: one line naming the key and the path and how to build shards, exit 2, no shard
+    directory made, no run directory, no launcher started."""
+    import uuid
+
+    from helpers import ROOT, run_launch_sh
+
+    typo = f"shards/djangoo-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "run"
+    p = run_launch_sh(["--out", str(out), f"data.shards={typo}"], cwd=tmp_path, timeout=300)
+    text = p.stdout.decode()
+    assert p.returncode == 2, text
+    lines = text.strip().splitlines()  # nothing was started ("== preparing", "== training"): one line
+    assert len(lines) == 1 and "config key 'data.shards'" in lines[0] and typo in lines[0], lines
+    assert "scaletrain prepare --out" in lines[0]
+    assert not (ROOT / typo).exists() and not out.exists()
