@@ -45,7 +45,8 @@ def run(args) -> int:
         max_lines=args.max_lines, device="cuda" if torch.cuda.is_available() else "cpu",
     )
     print(f"checkpoint {result['checkpoint']} (step {result['step']}), split {result['split']}: "
-          f"{result['lines']} lines, beam {result['beam']}, {result['sentences_per_s']:.1f} sentences/s")
+          f"{result['lines']} lines, beam {result['beam']}, {result['sentences_per_s']:.1f} sentences/s; "
+          f"{result['cut_invalid_utf8']} hypotheses stopped at invalid UTF-8")
     print(format_table(result["report"], baseline=result["baseline"]))
     for s in result["samples"][:6]:
         print(f"  [{s['direction']}] src: {s['source']!r}\n      ref: {s['reference']!r}\n      hyp: {s['hypothesis']!r}")

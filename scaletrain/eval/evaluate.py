@@ -66,6 +66,8 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
     return {
         "checkpoint": str(ckpt), "split": split, "shards": str(shards), "beam": beam, "lenpen": lenpen,
         "lines": len(examples), "decode_seconds": secs, "sentences_per_s": len(examples) / max(secs, 1e-9),
+        # hypotheses stopped before a byte that made them invalid UTF-8 (generate.py, stop_invalid_utf8)
+        "cut_invalid_utf8": res.n_cut,
         "step": trainer_state.get("step"), "run_id": trainer_state.get("run_id"),
         "tracking": {"uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment},
         # (src_lang, tgt_lang, source, reference, hypothesis) per line, in split order (write_hypotheses)
