@@ -4,13 +4,13 @@
     scaletrain compare-models --minutes 2 --size tiny --beam 1 --eval-lines 20 --out results/cpu-smoke
     scaletrain compare-models --models base,moce_d5_lid --base-seeds 1,2,3 --set optim.lr=7e-4
 
-The work is :func:`scaletrain.compare_models.compare_models`.
+The work is :func:`scaletrain.eval.compare_models.compare_models`.
 """
 from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    from scaletrain.compare_models import DEFAULT_MODELS, SIZES
+    from scaletrain.eval.compare_models import DEFAULT_MODELS, SIZES
 
     p = subparsers.add_parser(
         "compare-models", help="train the papers' models for equal minutes on the same shards, evaluate, compare",
@@ -41,10 +41,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from scaletrain.compare_models import _parse_seeds, compare_models
+    from scaletrain.eval.compare_models import parse_seeds, compare_models
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    return compare_models(models, out=args.out, seeds=_parse_seeds(args.seeds, "--seeds"),
-                          base_seeds=_parse_seeds(args.base_seeds, "--base-seeds"), minutes=args.minutes,
+    return compare_models(models, out=args.out, seeds=parse_seeds(args.seeds, "--seeds"),
+                          base_seeds=parse_seeds(args.base_seeds, "--base-seeds"), minutes=args.minutes,
                           size=args.size, sets=args.set, shards=args.shards, beam=args.beam,
                           eval_lines=args.eval_lines, dry_run=args.dry_run)

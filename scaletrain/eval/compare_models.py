@@ -68,7 +68,7 @@ class ModelRun:
         return f"{self.model}-s{self.seed}"
 
 
-def _parse_seeds(text: str, flag: str) -> list[int]:
+def parse_seeds(text: str, flag: str) -> list[int]:
     try:
         seeds = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
