@@ -46,7 +46,8 @@ def run(args) -> int:
     )
     print(f"checkpoint {result['checkpoint']} (step {result['step']}), split {result['split']}: "
           f"{result['lines']} lines, beam {result['beam']}, {result['sentences_per_s']:.1f} sentences/s; "
-          f"{result['cut_invalid_utf8']} hypotheses stopped at invalid UTF-8")
+          f"{result['cut_invalid_utf8']} hypotheses stopped at invalid UTF-8, {result['at_length_limit']} at their "
+          "length limit")
     print(format_table(result["report"], baseline=result["baseline"]))
     for s in result["samples"][:6]:
         print(f"  [{s['direction']}] src: {s['source']!r}\n      ref: {s['reference']!r}\n      hyp: {s['hypothesis']!r}")
