@@ -194,6 +194,42 @@ class _Utf8Guard:
         return ok, torch.where(is_byte.unsqueeze(0), new, torch.zeros_like(new))
 
 
+_UTF8_LEAD = [tuple(int(x) for x in _UTF8[:, b]) for b in range(256)]  # (need, lo, hi) per byte, for the host
+
+
+class _HostUtf8Guard:
+    """The same state machine as :class:`_Utf8Guard` on the host, for greedy decoding, which already brings
+    each step's tokens to the host: a few integer operations per row instead of a dozen tensor ops per step."""
+
+    def __init__(self, rows: int):
+        self.state = [(0, 0, 0)] * rows  # (need, lo, hi) per live row
+
+    def advance(self, tokens: list[int], status: list[int]) -> None:
+        """In place: ``status`` 2 for a row whose token makes it invalid UTF-8 (0 = continues, 1 = EOS)."""
+        for r, tok in enumerate(tokens):
+            if status[r]:
+                continue
+            need, lo, hi = self.state[r]
+            b = tok - BYTE_OFFSET
+            if not 0 <= b < 256:
+                if need:
+                    status[r] = 2  # a piece (whole characters) inside an unfinished character
+                continue
+            if need == 0:
+                lead = _UTF8_LEAD[b]
+                if lead[0] < 0:
+                    status[r] = 2
+                else:
+                    self.state[r] = lead
+            elif lo <= b <= hi:
+                self.state[r] = (need - 1, 0x80, 0xBF)
+            else:
+                status[r] = 2
+
+    def keep(self, rows: list[int]) -> None:
+        self.state = [self.state[r] for r in rows]
+
+
 def complete_prefix(tokens: list[int]) -> list[int]:
     """A valid UTF-8 prefix (as the guard keeps it) without its trailing unfinished character: a lead byte
     followed by fewer continuation bytes than it needs. Ids that are not bytes are whole characters."""
@@ -386,36 +422,35 @@ def _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset=LANG_OF
     out: list[list[int]] = [[] for _ in range(B)]
     result: list[Hypothesis | None] = [None] * B
     mask_cache: dict = {"lang_offset": lang_offset}
-    guard = _Utf8Guard(B, src.device) if stop_invalid_utf8 else None
+    guard = _HostUtf8Guard(B) if stop_invalid_utf8 else None
     step = 0
     while alive.numel():
         lprobs, cache = _step_lprobs(model, tokens, step, enc, cache, mask_cache)
         _constrain_eos(lprobs, step, min_len, alive_max, int(alive_max.min()))
         best_lp, best = lprobs.max(dim=-1)
-        # per row: 0 = continues, 1 = EOS, 2 = cut before an invalid byte (its log-prob not added)
-        status = (best == EOS).to(torch.int64)
-        if guard is not None:
-            ok, guard.state = guard.next(None, best)
-            status = torch.where(ok, status, torch.full_like(status, 2))
-            best_lp = torch.where(ok, best_lp, torch.zeros_like(best_lp))
         score = score + best_lp.double()
         best_cpu = best.tolist()
-        st_cpu = status.tolist()
+        # per row: 0 = continues, 1 = EOS, 2 = cut before an invalid byte (its log-prob taken off again)
+        status = [int(t == EOS) for t in best_cpu]
+        if guard is not None:
+            guard.advance(best_cpu, status)
         for r, row in enumerate(alive.tolist()):
-            if st_cpu[r] == 1:
+            if status[r] == 1:
                 result[row] = Hypothesis(out[row], float(score[r]) / float(len(out[row]) + 1) ** lenpen)
-            elif st_cpu[r] == 2:
+            elif status[r] == 2:
                 kept = complete_prefix(out[row])
-                result[row] = Hypothesis(kept, float(score[r]) / float(len(kept) + 1) ** lenpen, cut=True)
+                sc = float(score[r]) - float(best_lp[r])
+                result[row] = Hypothesis(kept, sc / float(len(kept) + 1) ** lenpen, cut=True)
             else:
                 out[row].append(best_cpu[r])
-        if any(st_cpu):
-            keep = (status == 0).nonzero().squeeze(1)
-            if keep.numel() == 0:
+        if any(status):
+            rows = [r for r, st in enumerate(status) if st == 0]
+            if not rows:
                 break
+            keep = torch.tensor(rows, dtype=torch.int64, device=src.device)
             alive, alive_max, score, best = alive[keep], alive_max[keep], score[keep], best[keep]
             if guard is not None:
-                guard.state = guard.state[:, keep]
+                guard.keep(rows)
             enc = enc.index_select(keep)
             cache = model.reorder_cache(cache, keep)
         tokens = best

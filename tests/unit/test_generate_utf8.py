@@ -42,13 +42,19 @@ def completable(prefix: bytes) -> bool:
 
 
 def first_bad(data: bytes) -> int | None:
-    """Index of the first byte at which ``data[:i+1]`` can no longer be completed, by the guard."""
-    guard = G._Utf8Guard(1, "cpu")
+    """Index of the first byte at which ``data[:i+1]`` can no longer be completed, by the guard of beam
+    search (on the device); the host guard of greedy decoding must agree."""
+    guard, host = G._Utf8Guard(1, "cpu"), G._HostUtf8Guard(1)
+    found = None
     for i, b in enumerate(data):
         ok, guard.state = guard.next(None, torch.tensor([b + BYTE_OFFSET]))
+        status = [0]
+        host.advance([b + BYTE_OFFSET], status)
+        assert (status[0] == 2) == (not bool(ok[0])), (data.hex(), i)
         if not bool(ok[0]):
-            return i
-    return None
+            found = i
+            break
+    return found
 
 
 def test_guard_matches_python_decoder_on_valid_and_random_bytes():
