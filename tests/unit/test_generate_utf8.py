@@ -14,6 +14,7 @@ from scaletrain.data.batch import Example, collate
 from scaletrain.eval import generate as G
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, ByteVocab
+from toy_decoders import LogitsOnly
 
 VOCAB = ByteVocab(["en", "de", "ja"])
 SEQ_LEN = {**{b: 2 for b in range(0xC2, 0xE0)}, **{b: 3 for b in range(0xE0, 0xF0)}, **{b: 4 for b in range(0xF0, 0xF5)}}
@@ -139,7 +140,7 @@ def test_models_writing_valid_utf8_decode_bit_for_bit_as_without_the_guard(beam)
         assert VOCAB.decode_counting(h.tokens).invalid == 0 or not h.cut
 
 
-class Script(nn.Module):
+class Script(LogitsOnly):
     """Writes a fixed byte script (one huge logit per step) from a tiny random base; counts its steps."""
 
     def __init__(self, script: bytes, allowed: bytes, after: dict | None = None):
@@ -148,10 +149,6 @@ class Script(nn.Module):
         self.allowed = [b + BYTE_OFFSET for b in allowed]
         self.after = after or {}  # previous byte -> {next token id: logit}
         self.steps = 0
-        self.max_positions = 256
-
-    def encode(self, src):
-        return _Enc(src.shape[0])
 
     def decode_step(self, tokens, step, enc, cache):
         self.steps += 1
@@ -166,17 +163,6 @@ class Script(nn.Module):
             for tok, v in row.items():
                 logits[tokens == prev + BYTE_OFFSET, tok] = v
         return logits, None
-
-    def reorder_cache(self, cache, index):
-        return None
-
-
-class _Enc:
-    def __init__(self, n):
-        self.n = n
-
-    def index_select(self, index):
-        return _Enc(index.numel())
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -208,7 +194,7 @@ def test_a_hypothesis_that_ended_with_eos_beats_a_better_scored_cut_one():
     assert not hyps[0].cut and hyps[0].score < cut[0].score  # the cut one scored higher and still lost
 
 
-class RandomBytes(nn.Module):
+class RandomBytes(LogitsOnly):
     """Logits from the previous token and the step only, over a few bytes most of which are invalid in most
     contexts (lead bytes, continuation bytes, ASCII), so beams often have fewer valid candidates than slots."""
 
@@ -221,16 +207,9 @@ class RandomBytes(nn.Module):
         mask = torch.full((VOCAB.size,), -float("inf"))
         mask[[b + BYTE_OFFSET for b in self.ALLOWED] + [EOS]] = 0.0
         self.mask = mask
-        self.max_positions = 64
-
-    def encode(self, src):
-        return _Enc(src.shape[0])
 
     def decode_step(self, tokens, step, enc, cache):
         return self.table[tokens, step] + self.mask, None
-
-    def reorder_cache(self, cache, index):
-        return None
 
 
 @pytest.mark.parametrize("beam", [1, 2, 3, 5])
@@ -258,16 +237,12 @@ def test_a_beam_is_cut_once_and_a_sentence_whose_beams_all_died_ends():
     assert model.steps <= 2
 
 
-class Table(nn.Module):
+class Table(LogitsOnly):
     """Logits from the previous token only: ``rules[prev] = {token: logit}``, every other token -1e4, EOS -50."""
 
     def __init__(self, rules: dict):
         super().__init__()
         self.rules = rules
-        self.max_positions = 64
-
-    def encode(self, src):
-        return _Enc(src.shape[0])
 
     def decode_step(self, tokens, step, enc, cache):
         logits = torch.full((tokens.shape[0], VOCAB.size), -1e4)
@@ -276,9 +251,6 @@ class Table(nn.Module):
             for tok, v in self.rules.get(prev, {}).items():
                 logits[r, tok] = v
         return logits, None
-
-    def reorder_cache(self, cache, index):
-        return None
 
 
 def test_several_invalid_bytes_of_one_beam_cut_it_once():
