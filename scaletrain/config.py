@@ -300,11 +300,15 @@ def _read_yaml(path_or_name: str) -> tuple[dict, str]:
     return data, name
 
 
-def _merge(base: dict, over: dict) -> dict:
+# mappings that are one value, not a section: a later recipe's replaces the earlier one's as a whole
+_VALUE_MAPPINGS = (("eval", "groups"),)
+
+
+def _merge(base: dict, over: dict, path: tuple = ()) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and path + (k,) not in _VALUE_MAPPINGS:
+            out[k] = _merge(out[k], v, path + (k,))
         else:
             out[k] = v
     return out

@@ -3,7 +3,8 @@
 Trains each model for the same minutes on the same shards, one process per model, evaluates each on the
 held-out test split and writes ``scaletrain compare``'s table and plot into one folder::
 
-    OUT/plan.json                       the settings every model shares (checked on a re-run)
+    OUT/plan.json                       the settings every model shares (checked on a re-run) and the
+                                        precision that engine.precision: auto means for all of them
     OUT/recipes/NAME.yaml               the recipe of a model without a packaged catalogs_NAME recipe
     OUT/runs/NAME-sSEED/                each training run (checkpoints, train.log, train_summary.json,
                                         eval.log, eval_test.json, eval/test/{src,ref,hyp}.*.txt)
@@ -142,6 +143,22 @@ def check_plan(out: Path, plan: dict) -> None:
     atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
 
 
+def pinned_precision(out: Path) -> tuple[str, str]:
+    """What ``engine.precision: auto`` means for every run of the folder, and why: resolved once (recorded in
+    ``plan.json`` on the first run and read back after), so every model trains in the same precision. A
+    per-process choice is not stable on a loaded CPU, where the GEMM probe behind it flips between runs."""
+    try:
+        plan = json.loads((out / "plan.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        plan = {}
+    if plan.get("precision"):
+        return plan["precision"], plan.get("precision_reason", "")
+    from scaletrain.engine.precision import resolve_precision
+
+    res = resolve_precision("auto")
+    return res.precision, res.reason
+
+
 def run_overrides(run: ModelRun, out: Path, plan: dict) -> list[str]:
     """Every override of one run (validated: a bad ``--set`` fails here, before anything trains)."""
     from scaletrain.config import load_config
@@ -168,12 +185,13 @@ def _finished(run_dir: Path) -> dict | None:
     return None if s.get("preempted") else s
 
 
-def _run_logged(cmd: list[str], log: Path) -> int:
+def _run_logged(cmd: list[str], log: Path, env: dict | None = None) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env=env).returncode
 
 
 def _tail(log: Path, n: int = 5) -> str:
@@ -184,14 +202,19 @@ def _tail(log: Path, n: int = 5) -> str:
     return "\n".join("    " + x for x in lines[-n:])
 
 
-def train_and_evaluate(run: ModelRun, ov: list[str], out: Path, eval_lines: int, echo) -> str | None:
-    """Train (unless finished) and evaluate (unless done) one run; None, or what failed."""
+def train_and_evaluate(run: ModelRun, ov: list[str], out: Path, eval_lines: int, echo,
+                       precision: str = "") -> str | None:
+    """Train (unless finished) and evaluate (unless done) one run; None, or what failed. ``precision``:
+    what ``engine.precision: auto`` resolves to in the training process."""
+    from scaletrain.engine.precision import ENV
+
     run_dir, logs = out / "runs" / run.name, out / "logs"
     summary = _finished(run_dir)
     if summary is None:
         t0 = time.time()
+        env = {**os.environ, ENV: precision} if precision else None
         rc = _run_logged([sys.executable, "-m", "scaletrain", "train", "--config", run.recipe, *ov],
-                         logs / f"{run.name}.train.log")
+                         logs / f"{run.name}.train.log", env)
         summary = _finished(run_dir)
         if rc != 0 or summary is None:
             return f"training exited {rc} after {time.time() - t0:.0f}s (log {logs / f'{run.name}.train.log'}):\n" \
@@ -284,11 +307,13 @@ def compare_models(models: Sequence[str] = DEFAULT_MODELS, *, out: str | os.Path
         for r in runs:
             echo(f"{r.name}: scaletrain train --config {r.recipe} {' '.join(overrides[r.name])}")
         return 0
-    check_plan(out, plan)
+    precision, why = pinned_precision(out)
+    check_plan(out, {**plan, "precision": precision, "precision_reason": why})
+    echo(f"engine.precision auto -> {precision} for every model ({why})")
     failed = []
     for i, r in enumerate(runs, 1):
         echo(f"[{i}/{len(runs)}] {r.name} ({r.recipe}, {minutes:g} min, size {size})")
-        err = train_and_evaluate(r, overrides[r.name], out, eval_lines, echo)
+        err = train_and_evaluate(r, overrides[r.name], out, eval_lines, echo, precision)
         if err:
             echo(f"  FAILED: {err}")
             failed.append(r.name)

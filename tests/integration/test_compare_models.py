@@ -37,6 +37,7 @@ def test_compare_models_folder_table_and_resume(django_shards, tmp_path):
         assert (out / "logs" / f"{r}.train.log").is_file() and (out / "logs" / f"{r}.eval.log").is_file()
     plan = json.loads((out / "plan.json").read_text())
     assert plan["minutes"] == 2 and plan["size"] == "tiny" and plan["shards"] == str(django_shards.resolve())
+    assert plan["precision"] == "fp32"  # auto resolved once for every run (the suite pins auto to fp32)
     for f in ("compare.md", "compare.csv", "compare.json", "compare.png"):
         assert (out / f).stat().st_size > 0, f
     rows = {row[0]: row[1:] for row in csv.reader((out / "compare.csv").open())}

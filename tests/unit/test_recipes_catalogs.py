@@ -45,6 +45,7 @@ def test_catalog_recipes_share_data_budget_and_eval_and_keep_each_model():
 
 def test_script_groups_cover_every_default_language_once():
     groups = load_config("catalogs_base").eval.groups
+    assert set(groups) == {*SCRIPT_GROUPS, "low-resource"}  # the overlay's groups replace the paper's OPUS-100 ones
     members = [l for g in SCRIPT_GROUPS for l in groups[g]]
     assert sorted(members) == sorted(CATALOG_LANGS)
     assert set(groups["low-resource"]) <= set(CATALOG_LANGS)
@@ -69,3 +70,27 @@ def test_base_list_merges_in_order_and_fails_clearly(tmp_path):
     cfg = load_config(str(p))
     assert cfg.model.arch == "msha" and cfg.data.shards == "shards/catalogs" and cfg.train.max_minutes == 10
     assert yaml.safe_load(p.read_text())["base"][1] == "overlays/catalogs"
+
+
+def test_compare_models_pins_one_precision_per_folder(tmp_path, monkeypatch):
+    from scaletrain.eval import compare_models as cm
+
+    monkeypatch.setenv("SCALETRAIN_AUTO_PRECISION", "bf16")
+    assert cm.pinned_precision(tmp_path)[0] == "bf16"  # a new folder: resolved here
+    (tmp_path / "plan.json").write_text('{"precision": "fp32", "precision_reason": "first run"}')
+    assert cm.pinned_precision(tmp_path) == ("fp32", "first run")  # recorded: every later run gets the same
+
+
+def test_compare_models_size_presets_fit_every_model():
+    from scaletrain.eval import compare_models as cm
+
+    for size in cm.SIZES:
+        for name in CATALOG_RECIPES:
+            arch = load_config(name).model.arch
+            cfg = load_config(name, cm.size_overrides(size, arch))
+            if size != "paper":
+                assert cfg.model.d_model == cm.SIZES[size]["d_model"]
+                enc = cfg.model.encoder_layers + (cfg.model.lobef.byte_layers if arch == "byte_ncf" else 0)
+                assert enc == cfg.model.decoder_layers == cm.SIZES[size]["layers"], (size, name)
+    with pytest.raises(ScaletrainError, match="--size"):
+        cm.size_overrides("huge", "transformer")
