@@ -47,13 +47,17 @@ REFERENCE = "base"  # the byte Transformer: trained with --base-seeds (two seeds
 EXPERIMENT = "compare-models"
 TABLE_FILES = ("compare.md", "compare.csv", "compare.json", "compare.png")
 
-#: Size presets: d_model, ffn_dim, encoder = decoder layers, tokens per update, warm-up, validation batches.
+#: Size presets: d_model, ffn_dim, encoder = decoder layers, tokens per update, warm-up, validation batches,
+#: and a logging interval short enough for the throughput rows of the table (tokens/s is logged every
+#: train.log_every steps; the overlay's 100 is more than a CPU run of a few minutes makes).
 #: d_model stays >= 320 so the one-hot models (Embeddingless, Byte-nCF: V <= d) fit ~60 languages; heads
 #: are each recipe's own (MSC's 8 kernels are one per head). "paper" keeps the recipes' sizes (d 512, 6+6).
 SIZES: dict[str, dict | None] = {
     "paper": None,
-    "small": {"d_model": 320, "ffn_dim": 1280, "layers": 3, "max_tokens": 4096, "warmup": 200, "valid_batches": 8},
-    "tiny": {"d_model": 320, "ffn_dim": 640, "layers": 2, "max_tokens": 2048, "warmup": 50, "valid_batches": 4},
+    "small": {"d_model": 320, "ffn_dim": 1280, "layers": 3, "max_tokens": 4096, "warmup": 200, "valid_batches": 8,
+              "log_every": 20},
+    "tiny": {"d_model": 320, "ffn_dim": 640, "layers": 2, "max_tokens": 2048, "warmup": 50, "valid_batches": 4,
+             "log_every": 5},
 }
 PLAN_KEYS = ("minutes", "size", "set", "shards", "beam", "eval_lines")
 
@@ -92,7 +96,8 @@ def size_overrides(size: str, arch: str) -> list[str]:
         else [f"model.encoder_layers={n}"]
     return [f"model.d_model={p['d_model']}", f"model.ffn_dim={p['ffn_dim']}", *enc, f"model.decoder_layers={n}",
             f"data.max_tokens={p['max_tokens']}", f"optim.warmup_steps={p['warmup']}",
-            f"train.valid_max_batches={p['valid_batches']}", f"eval.batch_tokens={max(p['max_tokens'], 4096)}"]
+            f"train.valid_max_batches={p['valid_batches']}", f"eval.batch_tokens={max(p['max_tokens'], 4096)}",
+            f"train.log_every={p['log_every']}"]
 
 
 def _recipe_for(model: str, out: Path) -> str:
