@@ -46,10 +46,10 @@ def _setup_logging(debug: bool) -> None:
 def _commands() -> tuple:
     """The command modules, in the order ``--help`` lists them (imported here: ``import scaletrain.cli``
     stays cheap)."""
-    from scaletrain.commands import (average, compare, data, evaluate, export, model, prepare, tracking, train,
-                                     translate)
+    from scaletrain.commands import (average, compare, compare_models, data, evaluate, export, model, prepare,
+                                     tracking, train, translate)
 
-    return (prepare, train, evaluate, export, average, data, model, translate, compare, tracking)
+    return (prepare, train, evaluate, export, average, data, model, translate, compare, compare_models, tracking)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -305,11 +305,15 @@ def _read_yaml(path_or_name: str) -> tuple[dict, str]:
     return data, name
 
 
-def _merge(base: dict, over: dict) -> dict:
+# mappings that are one value, not a section: a later recipe's replaces the earlier one's as a whole
+_VALUE_MAPPINGS = (("eval", "groups"),)
+
+
+def _merge(base: dict, over: dict, path: tuple = ()) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and path + (k,) not in _VALUE_MAPPINGS:
+            out[k] = _merge(out[k], v, path + (k,))
         else:
             out[k] = v
     return out
@@ -317,13 +321,17 @@ def _merge(base: dict, over: dict) -> dict:
 
 def _load_tree(path_or_name: str, seen: tuple = ()) -> tuple[dict, str]:
     data, name = _read_yaml(path_or_name)
-    base = data.pop("base", None)  # a recipe may extend another recipe
-    if base:
-        if base in seen:
-            raise ScaletrainError(f"recipe '{path_or_name}': circular 'base: {base}'")
-        parent, _ = _load_tree(base, seen + (path_or_name,))
-        data = _merge(parent, data)
-    return data, name
+    base = data.pop("base", None)  # a recipe may extend another recipe, or a list of them merged in order
+    bases = [base] if isinstance(base, str) else base or []
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ScaletrainError(f"recipe '{path_or_name}': 'base' must be a recipe name or a list of them, got {base!r}")
+    merged: dict = {}
+    for b in bases:  # e.g. base: [embeddingless, overlays/catalogs]: the model's recipe, then a data/budget overlay
+        if b in seen or b == path_or_name:
+            raise ScaletrainError(f"recipe '{path_or_name}': circular 'base: {b}'")
+        parent, _ = _load_tree(b, seen + (path_or_name,))
+        merged = _merge(merged, parent)
+    return _merge(merged, data), name
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -91,7 +91,9 @@ def run(args) -> int:
     )
     spec = spec_of(result)
     print(f"evaluation {spec.name}: {spec.describe()}")
-    print(f"checkpoint {result['checkpoint']}, {result['sentences_per_s']:.1f} sentences/s")
+    print(f"checkpoint {result['checkpoint']}, {result['sentences_per_s']:.1f} sentences/s; "
+          f"{result['cut_invalid_utf8']} hypotheses stopped at invalid UTF-8, {result['at_length_limit']} at their "
+          "length limit")
     print(format_table(result["report"], baseline=result["baseline"]))
     for s in result["samples"][:6]:
         print(f"  [{s['direction']}] src: {s['source']!r}\n      ref: {s['reference']!r}\n      hyp: {s['hypothesis']!r}")

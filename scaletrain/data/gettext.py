@@ -1,10 +1,22 @@
 """Reader for gettext catalogs (compiled ``.mo`` files) as a parallel corpus.
 
-Every translated UI string of a package is an (English, translation) pair. The default source is
-the catalogs bundled with an installed Python package (``django``): every file matching
-``<package>/**/locale/<locale>/LC_MESSAGES/<domain>.mo`` (django core *and* its contrib apps, both
-``django.mo`` and ``djangojs.mo``). Any other tree with the same ``<locale>/LC_MESSAGES/*.mo``
-layout (e.g. ``/usr/share/locale``) can be read with ``locale_dir=``.
+Every translated UI string of a program is an (English, translation) pair. Catalogs come from *roots*,
+each a tree with the ``<locale>/LC_MESSAGES/<domain>.mo`` layout somewhere below it:
+
+* an installed Python package (``django``: every ``django/**/locale/<locale>/LC_MESSAGES/*.mo``, core and
+  contrib apps, ``django.mo`` and ``djangojs.mo``), the default and the bundled corpus;
+* a locale directory (``/usr/share/locale``: glibc, coreutils, gtk, git, postgres, xkeyboard-config, the
+  iso-codes name lists, ... in ~150 languages);
+* the sets ``system`` (every directory of ``SYSTEM_LOCALE_DIRS`` that exists and holds catalogs) and
+  ``packages`` (every installed Python distribution whose files include catalogs, found through
+  ``importlib.metadata``).
+
+:func:`read_catalogs` merges any number of roots: per language, every catalog of every root in order,
+cleaned by the rules below, deduplicated *across* roots, optionally capped per language. Catalog domains
+matching ``exclude_domains`` (shell patterns on the file name without ``.mo``) are skipped: by default the
+iso-codes lists of ~7,900 ISO 639-3 language names and ~5,000 ISO 3166-2 subdivision names per
+language (``EXCLUDED_DOMAINS``), which would otherwise be a fifth of the system corpus and teach a model
+to answer with a name.
 
 The ``.mo`` format is parsed directly (it is tiny and exact, unlike ``.po`` which needs a parser
 for escapes, continuation lines and fuzzy flags; ``msgfmt`` has already dropped fuzzy and
@@ -12,7 +24,8 @@ untranslated entries).
 
 Locale -> language code
     ``xx`` -> ``xx``; ``xx_YY`` -> ``xx-yy`` (lower case), except the table ``LOCALE_CODES``
-    (``zh_Hans`` -> ``zh``, ``zh_Hant`` -> ``zh-hant``, ``sr_Latn`` -> ``sr-latn``).
+    (``zh_Hans``/``zh_CN`` -> ``zh``, ``zh_Hant``/``zh_TW`` -> ``zh-hant``, ``sr_Latn``/``sr@latin`` -> ``sr-latn``),
+    so Django's and the system's names of one language meet under one code.
     English locales (``en``, ``en_GB``, ...) are the pivot, never a translation language.
     Codes are stable: they depend only on the locale directory name.
 
@@ -24,9 +37,13 @@ Cleaning rules, applied in this order; the first rule that fires is counted unde
     ``placeholder``  printf (``%s``, ``%d``, ``%(name)s``, ``%.2f``) or brace (``{name}``, ``{0}``,
                      ``{}``) placeholders on either side.
     ``markup``       an HTML/XML tag (``<b>``, ``</a>``, ``<br/>``) or an entity (``&amp;``, ``&#39;``).
+    ``too_long``     a side longer than ``max_bytes`` UTF-8 bytes (0 = no limit).
     ``untranslated`` the translation equals the English string (after the steps below).
-    ``duplicate``    the same (English, translation) pair was already kept for this language
-                     (e.g. the same string in several catalogs).
+    ``duplicate``    the same (English, translation) pair was already kept for this language, from any
+                     root (e.g. the same string in several catalogs, or in Django and in the system).
+    ``over_cap``     (after the merge) beyond ``max_per_lang`` pairs of the language: the kept pairs are
+                     those whose English string ranks first by a seeded hash, so capped languages keep
+                     the same English strings where they can (more multi-way parallel test sets).
 Modifications (counted, not dropped):
     ``accel_stripped`` access-key markers removed: ``(_F)`` / ``(&F)`` groups (CJK style);
                      ``&&`` -> ``&``; a single ``&`` before a letter or digit unless it stands
@@ -36,26 +53,45 @@ Modifications (counted, not dropped):
     Message context (msgctxt) is ignored: the pair is kept under its English msgid; identical pairs
     from different contexts are deduplicated.
 
-Splits are decided by a stable hash (sha256) of the English string and the seed, so one English
-string lands in the same split for every language.
+Splits are decided by a stable hash (sha256) of the English string's *split key* and the seed: the
+key (``split_key``) is the string after NFKC, case folding and with every run of non-alphanumeric
+characters made one space, so ``Open``, ``Open…`` and ``open:`` land in one split. One English
+string (and its near-identical spellings) is therefore in the same split for every language and every
+root: no English sentence of the test split is seen in training, in any direction.
+
+Scripts: :func:`dominant_script` names the script of a language's translations from the Unicode
+character names of its letters (``Latin``, ``Cyrillic``, ``Han``, ``Kana``, ``Hangul``, ...); ``prepare``
+prints and records it per language.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib.util
 import re
 import struct
+import unicodedata
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from scaletrain.errors import ScaletrainError
 
-#: Default translation languages (English is the pivot and always present). Scripts: Latin (de fr es),
-#: Cyrillic (ru), Greek (el), Arabic (ar), Hebrew (he), Devanagari (hi), Han (zh), Japanese (ja),
-#: Hangul (ko), Thai (th), Georgian (ka), Myanmar (my).
+#: Default translation languages of the bundled corpus (Django's catalogs; English is the pivot and always
+#: present). Scripts: Latin (de fr es), Cyrillic (ru), Greek (el), Arabic (ar), Hebrew (he), Devanagari (hi),
+#: Han (zh), Japanese (ja), Hangul (ko), Thai (th), Georgian (ka), Myanmar (my).
 DEFAULT_LANGS: tuple[str, ...] = ("de", "fr", "es", "ru", "el", "ar", "he", "hi", "zh", "ja", "ko", "th", "ka", "my")
+
+#: Default languages of a merged corpus (``--catalogs``, ``--locale-dir``, several packages): 28 languages in
+#: 16 scripts, every one of them also in Django's catalogs (so a machine with only Django still has them all):
+#: Latin (de fr es it pt-br pl tr vi), Cyrillic (ru uk bg), Greek (el), Arabic (ar fa), Hebrew (he),
+#: Devanagari (hi mr), Bengali (bn), Tamil (ta), Malayalam (ml), Georgian (ka), Armenian (hy), Thai (th),
+#: Myanmar (my), Han (zh zh-hant), Japanese (ja, mostly kana), Hangul (ko).
+CATALOG_LANGS: tuple[str, ...] = (
+    "de", "fr", "es", "it", "pt-br", "pl", "tr", "vi", "ru", "uk", "bg", "el", "ar", "fa", "he", "hi", "mr",
+    "bn", "ta", "ml", "ka", "hy", "th", "my", "zh", "zh-hant", "ja", "ko",
+)
 
 PIVOT = "en"
 
@@ -69,7 +105,16 @@ LOCALE_CODES: dict[str, str] = {
     "sr@latin": "sr-latn",
 }
 
-CLEAN_REASONS = ("plural", "empty", "multiline", "placeholder", "markup", "untranslated", "duplicate")
+#: The ``system`` catalog set: these directories, where they exist (Debian/Ubuntu and most Linux systems;
+#: Ubuntu's language packs put most translations in locale-langpack).
+SYSTEM_LOCALE_DIRS: tuple[str, ...] = ("/usr/share/locale", "/usr/share/locale-langpack", "/usr/local/share/locale")
+CATALOG_SETS = ("system", "packages")
+
+#: Catalog domains skipped by default: long lists of names (ISO 639-3 languages, ISO 3166-2 subdivisions).
+EXCLUDED_DOMAINS: tuple[str, ...] = ("iso_639-3", "iso_639_3", "iso_3166-2", "iso_3166_2")
+
+CLEAN_REASONS = ("plural", "empty", "multiline", "placeholder", "markup", "too_long", "untranslated", "duplicate")
+COUNTER_KEYS = ("entries", "kept", "accel_stripped", *CLEAN_REASONS, "over_cap")
 
 _MO_MAGIC_LE = 0x950412DE
 _MO_MAGIC_BE = 0xDE120495
@@ -79,8 +124,14 @@ def locale_to_code(locale: str) -> str:
     """Map a locale directory name to the stable language code used in manifests."""
     if locale in LOCALE_CODES:
         return LOCALE_CODES[locale]
-    base = locale.split(".")[0].split("@")[0]
-    return base.replace("_", "-").lower()
+    base, _, modifier = locale.split(".")[0].partition("@")
+    code = base.replace("_", "-").lower()
+    # a script modifier keeps its script apart (sr@ijekavianlatin, uz@cyrillic); other modifiers
+    # (ca@valencia, sr@ijekavian) are variants of the same written language
+    for name, tag in (("latin", "latn"), ("cyrillic", "cyrl")):
+        if name in modifier.lower():
+            return f"{code}-{tag}"
+    return code
 
 
 def _is_english(locale: str) -> bool:
@@ -150,8 +201,23 @@ def read_mo(path: str | Path) -> list[MoEntry]:
 
 
 # ---------------------------------------------------------------------------------------------
-# finding catalogs
+# finding catalogs: roots (packages, locale directories, the system and packages sets)
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CatalogRoot:
+    """A tree holding ``<locale>/LC_MESSAGES/*.mo`` files below it, and how the user named it."""
+
+    label: str  # "package:django", "system:/usr/share/locale", "dir:/path"
+    root: Path
+    version: str | None = None  # the package's version, where it has one
+
+    def to_dict(self) -> dict:
+        d = {"label": self.label, "root": str(self.root)}
+        if self.version:
+            d["version"] = self.version
+        return d
+
+
 def package_dir(package: str) -> Path:
     try:
         spec = importlib.util.find_spec(package)
@@ -166,6 +232,24 @@ def package_dir(package: str) -> Path:
     raise ScaletrainError(f"cannot locate the files of package {package!r}")
 
 
+def package_root(package: str) -> CatalogRoot:
+    version = None
+    try:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        version = dist_version(package)
+    except (ImportError, PackageNotFoundError, ValueError):
+        pass  # version metadata is optional (a package on sys.path without a distribution)
+    return CatalogRoot(f"package:{package}", package_dir(package), version)
+
+
+def locale_dir_root(path: str | Path, label_kind: str = "dir") -> CatalogRoot:
+    root = Path(path)
+    if not root.is_dir():
+        raise ScaletrainError(f"locale directory {root} does not exist")
+    return CatalogRoot(f"{label_kind}:{root}", root)
+
+
 def _find_mo(root: Path) -> dict[str, list[Path]]:
     """locale name -> sorted .mo paths, for every ``<locale>/LC_MESSAGES/*.mo`` below root."""
     found: dict[str, list[Path]] = {}
@@ -176,27 +260,101 @@ def _find_mo(root: Path) -> dict[str, list[Path]]:
     return found
 
 
-def find_catalogs(package: str = "django", locale_dir: str | Path | None = None) -> dict[str, list[Path]]:
-    """Language code -> catalog paths (English locales excluded), in sorted path order."""
-    if locale_dir is not None:
-        root = Path(locale_dir)
-        if not root.is_dir():
-            raise ScaletrainError(f"locale directory {root} does not exist")
-        where = f"locale directory {root}"
-    else:
-        root = package_dir(package)
-        where = f"package {package!r} ({root})"
-    by_locale = _find_mo(root)
-    out: dict[str, list[Path]] = {}
-    for loc in sorted(by_locale):
-        if _is_english(loc):
-            continue
-        out.setdefault(locale_to_code(loc), []).extend(by_locale[loc])
-    if not out:
-        raise ScaletrainError(
-            f"{where} has no gettext catalogs (expected <locale>/LC_MESSAGES/*.mo files below it)"
-        )
+def system_locale_dirs(candidates: Sequence[str] = SYSTEM_LOCALE_DIRS) -> list[Path]:
+    """The candidates that exist and hold at least one ``<locale>/LC_MESSAGES/*.mo``."""
+    out = []
+    for c in candidates:
+        p = Path(c)
+        if p.is_dir() and next(p.glob("*/LC_MESSAGES/*.mo"), None) is not None:
+            out.append(p)
     return out
+
+
+def catalog_packages() -> list[str]:
+    """Top-level import names of installed distributions whose files include gettext catalogs."""
+    from importlib.metadata import distributions
+
+    names = set()
+    for dist in distributions():
+        for f in dist.files or ():
+            parts = Path(str(f)).parts
+            if f.name.endswith(".mo") and len(parts) > 2 and parts[-2] == "LC_MESSAGES" and parts[0].isidentifier():
+                names.add(parts[0])
+                break
+    return sorted(names)
+
+
+def resolve_roots(catalogs: Sequence[str] = (), locale_dirs: Sequence[str | Path] = (),
+                  packages: Sequence[str] = ()) -> tuple[list[CatalogRoot], list[str]]:
+    """The roots named by the catalog sets (``system``, ``packages``), locale directories and packages, in
+    that order (system, locale directories, packages), each tree once; and notes on sets that found nothing.
+    Nothing named at all means the bundled corpus: the package ``django``."""
+    bad = [c for c in catalogs if c not in CATALOG_SETS]
+    if bad:
+        raise ScaletrainError(f"--catalogs: unknown set(s) {', '.join(bad)}; choose from {', '.join(CATALOG_SETS)} "
+                              "(comma-separated)")
+    if not (catalogs or locale_dirs or packages):
+        packages = ["django"]
+    roots: list[CatalogRoot] = []
+    notes: list[str] = []
+    if "system" in catalogs:
+        found = system_locale_dirs()
+        roots += [locale_dir_root(p, "system") for p in found]
+        if not found:
+            notes.append(f"catalog set 'system': no catalogs in {', '.join(SYSTEM_LOCALE_DIRS)}")
+    roots += [locale_dir_root(d) for d in locale_dirs]
+    pkgs = list(packages)
+    if "packages" in catalogs:
+        found_pkgs = catalog_packages()
+        pkgs = found_pkgs + [p for p in pkgs if p not in found_pkgs]
+        if not found_pkgs:
+            notes.append("catalog set 'packages': no installed Python package has gettext catalogs")
+    roots += [package_root(p) for p in dict.fromkeys(pkgs)]
+    unique: dict[Path, CatalogRoot] = {}
+    for r in roots:
+        unique.setdefault(r.root.resolve(), r)
+    return list(unique.values()), notes
+
+
+def _domain_excluded(path: Path, exclude_domains: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path.stem, pat) for pat in exclude_domains)
+
+
+def catalogs_by_lang(roots: Sequence[CatalogRoot], exclude_domains: Sequence[str] = EXCLUDED_DOMAINS
+                     ) -> tuple[dict[str, list[tuple[int, Path]]], Counter]:
+    """Language code -> [(root index, catalog path)] in root order, then sorted path order (English
+    locales excluded); and per root label the number of catalogs skipped by ``exclude_domains``."""
+    out: dict[str, list[tuple[int, Path]]] = {}
+    excluded: Counter = Counter()
+    for i, r in enumerate(roots):
+        by_locale = _find_mo(r.root)
+        for loc in sorted(by_locale):
+            if _is_english(loc):
+                continue
+            for p in by_locale[loc]:
+                if _domain_excluded(p, exclude_domains):
+                    excluded[r.label] += 1
+                else:
+                    out.setdefault(locale_to_code(loc), []).append((i, p))
+    return {k: out[k] for k in sorted(out)}, excluded
+
+
+def single_root(package: str = "django", locale_dir: str | Path | None = None) -> CatalogRoot:
+    return locale_dir_root(locale_dir) if locale_dir is not None else package_root(package)
+
+
+def find_catalogs(package: str = "django", locale_dir: str | Path | None = None) -> dict[str, list[Path]]:
+    """Language code -> catalog paths of one package or locale directory (English locales excluded)."""
+    root = single_root(package, locale_dir)
+    found, _ = catalogs_by_lang([root], ())
+    if not found:
+        raise ScaletrainError(_no_catalogs([root]))
+    return {lang: [p for _, p in v] for lang, v in found.items()}
+
+
+def _no_catalogs(roots: Sequence[CatalogRoot]) -> str:
+    where = ", ".join(f"{r.label} ({r.root})" if not r.label.endswith(str(r.root)) else r.label for r in roots)
+    return f"{where or 'no catalog roots'}: no gettext catalogs (expected <locale>/LC_MESSAGES/*.mo files below it)"
 
 
 def available_langs(package: str = "django", locale_dir: str | Path | None = None) -> list[str]:
@@ -240,8 +398,9 @@ def strip_accelerators(s: str) -> str:
     return t
 
 
-def clean_pair(en: str, xx: str) -> tuple[str | None, str, str]:
-    """Apply the rules to one pair: returns (reason or None if kept, en, xx) after modification."""
+def clean_pair(en: str, xx: str, max_bytes: int = 0) -> tuple[str | None, str, str]:
+    """Apply the rules to one pair: returns (reason or None if kept, en, xx) after modification.
+    ``max_bytes`` > 0: a side longer than that many UTF-8 bytes is ``too_long``."""
     en, xx = en.strip(), xx.strip()
     if not en or not xx:
         return "empty", en, xx
@@ -254,18 +413,26 @@ def clean_pair(en: str, xx: str) -> tuple[str | None, str, str]:
     en2, xx2 = strip_accelerators(en).strip(), strip_accelerators(xx).strip()
     if not en2 or not xx2:
         return "empty", en2, xx2
+    if max_bytes and max(len(en2.encode("utf-8")), len(xx2.encode("utf-8"))) > max_bytes:
+        return "too_long", en2, xx2
     reason = "accel_stripped" if (en2, xx2) != (en, xx) else ""
     if en2 == xx2:
         return "untranslated", en2, xx2
     return (reason or None), en2, xx2
 
 
+# ---------------------------------------------------------------------------------------------
+# the merged corpus
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class GettextCorpus:
     langs: list[str]  # translation languages, in the requested order
-    pairs: dict[str, list[tuple[str, str]]]  # lang -> [(english, translation)], catalog order
+    pairs: dict[str, list[tuple[str, str]]]  # lang -> [(english, translation)], root then catalog order
     counters: dict[str, dict[str, int]]  # lang -> reason -> count (plus "entries", "kept")
     source: dict  # description for the manifest
+    per_source: dict[str, dict[str, int]] = field(default_factory=dict)  # root label -> reason -> count
+    scripts: dict[str, str] = field(default_factory=dict)  # lang -> dominant script of its translations
+    notes: list[str] = field(default_factory=list)  # roots or default languages that were not found
 
     def total_counters(self) -> dict[str, int]:
         tot: Counter = Counter()
@@ -274,7 +441,12 @@ class GettextCorpus:
         return dict(tot)
 
 
-def pairs_from_entries(entries: Iterable[MoEntry], counters: Counter, seen: set) -> list[tuple[str, str]]:
+def _new_counter() -> Counter:
+    return Counter({k: 0 for k in COUNTER_KEYS})
+
+
+def pairs_from_entries(entries: Iterable[MoEntry], counters: Counter, seen: set,
+                       max_bytes: int = 0) -> list[tuple[str, str]]:
     kept = []
     for e in entries:
         if e.msgid == "" and e.context is None:
@@ -283,7 +455,7 @@ def pairs_from_entries(entries: Iterable[MoEntry], counters: Counter, seen: set)
         if e.msgid_plural is not None:
             counters["plural"] += 1
             continue
-        reason, en, xx = clean_pair(e.msgid, e.msgstrs[0] if e.msgstrs else "")
+        reason, en, xx = clean_pair(e.msgid, e.msgstrs[0] if e.msgstrs else "", max_bytes)
         if reason not in (None, "accel_stripped"):
             counters[reason] += 1
             continue
@@ -298,53 +470,196 @@ def pairs_from_entries(entries: Iterable[MoEntry], counters: Counter, seen: set)
     return kept
 
 
-def read_gettext(
-    package: str = "django", langs: Sequence[str] | None = None, locale_dir: str | Path | None = None
-) -> GettextCorpus:
-    """Read and clean every catalog of the requested languages (default ``DEFAULT_LANGS``)."""
-    catalogs = find_catalogs(package, locale_dir)
-    langs = list(DEFAULT_LANGS if langs is None else langs)
+def _choose_langs(available: Sequence[str], langs: Sequence[str] | None, default_langs: Sequence[str],
+                  roots: Sequence[CatalogRoot]) -> tuple[list[str], list[str]]:
+    """The languages to read and notes: ``langs`` (every one must be available; ``["all"]`` = every code
+    found), else the defaults that are available (the others noted)."""
+    if langs is not None and list(langs) == ["all"]:
+        return list(available), []
+    if langs is None:
+        chosen = [l for l in default_langs if l in available]
+        missing = [l for l in default_langs if l not in available]
+        if not chosen:
+            raise ScaletrainError(f"{_where(roots)}: none of the default languages ({', '.join(default_langs)}) has "
+                                  f"catalogs; choose with --langs from: {', '.join(available)}")
+        return chosen, ([f"default languages without catalogs here, left out: {', '.join(missing)}"] if missing else [])
+    langs = list(langs)
     if not langs:
         raise ScaletrainError("no languages requested")
     if len(set(langs)) != len(langs):
         raise ScaletrainError(f"duplicate language codes requested: {langs}")
-    unknown = [l for l in langs if l not in catalogs]
-    if unknown:
-        where = f"locale directory {locale_dir}" if locale_dir is not None else f"package {package!r}"
-        raise ScaletrainError(
-            f"no gettext catalogs for language(s) {', '.join(unknown)} in {where}; "
-            f"available codes: {', '.join(sorted(catalogs))}"
-        )
     if PIVOT in langs:
         raise ScaletrainError(f"{PIVOT!r} is the pivot language of gettext corpora; do not list it in langs")
+    unknown = [l for l in langs if l not in available]
+    if unknown:
+        raise ScaletrainError(f"no gettext catalogs for language(s) {', '.join(unknown)} in {_where(roots)}; "
+                              f"available codes: {', '.join(available)}")
+    return langs, []
+
+
+def _where(roots: Sequence[CatalogRoot]) -> str:
+    return ", ".join(r.label for r in roots)
+
+
+def _read_lang(files: Sequence[tuple[int, Path]], roots: Sequence[CatalogRoot], max_bytes: int,
+               per_source: dict[str, Counter]) -> tuple[list[tuple[str, str]], list[int], Counter]:
+    """Every catalog of one language in order: its pairs, the root index of each, its counters (and each
+    root's share added to ``per_source``)."""
+    c = _new_counter()
+    seen: set = set()
+    pairs: list[tuple[str, str]] = []
+    origin: list[int] = []
+    for i, path in files:
+        before = Counter(c)
+        got = pairs_from_entries(read_mo(path), c, seen, max_bytes)
+        pairs += got
+        origin += [i] * len(got)
+        delta = Counter(c)
+        delta.subtract(before)
+        per_source[roots[i].label].update(delta)
+        per_source[roots[i].label]["catalogs"] += 1
+    return pairs, origin, c
+
+
+def cap_pairs(pairs: Sequence[tuple[str, str]], cap: int, seed: int = 0) -> list[int]:
+    """Indices (ascending) of the ``cap`` pairs whose English split key ranks first by a seeded sha256 (then
+    the translation): capped languages keep the same English strings where they can."""
+    if cap <= 0 or len(pairs) <= cap:
+        return list(range(len(pairs)))
+
+    def rank(i: int):
+        en, xx = pairs[i]
+        return hashlib.sha256(f"cap\x00{seed}\x00{split_key(en)}".encode("utf-8")).digest(), en, xx
+
+    return sorted(sorted(range(len(pairs)), key=rank)[:cap])
+
+
+def read_catalogs(
+    roots: Sequence[CatalogRoot],
+    langs: Sequence[str] | None = None,
+    *,
+    default_langs: Sequence[str] = CATALOG_LANGS,
+    exclude_domains: Sequence[str] = EXCLUDED_DOMAINS,
+    max_per_lang: int = 0,
+    max_bytes: int = 0,
+    seed: int = 0,
+) -> GettextCorpus:
+    """Read, clean, merge and deduplicate the catalogs of every root for the chosen languages (module doc).
+
+    ``langs``: codes (each must have catalogs in some root), ``["all"]`` for every code found, or None for
+    the ``default_langs`` that have catalogs here. ``max_per_lang`` > 0 caps each language's pairs
+    (``over_cap``); ``max_bytes`` > 0 drops pairs with a longer side (``too_long``).
+    """
+    if max_per_lang < 0 or max_bytes < 0:
+        raise ScaletrainError(f"max_per_lang ({max_per_lang}) and max_bytes ({max_bytes}) must be >= 0 (0 = no limit)")
+    roots = list(roots)
+    found, excluded = catalogs_by_lang(roots, exclude_domains)
+    if not found:
+        raise ScaletrainError(_no_catalogs(roots))
+    chosen, notes = _choose_langs(list(found), langs, default_langs, roots)
+    per_source: dict[str, Counter] = {r.label: Counter({"catalogs": 0, **_new_counter()}) for r in roots}
+    for label, n in excluded.items():
+        per_source[label]["excluded_catalogs"] = n
     pairs: dict[str, list[tuple[str, str]]] = {}
     counters: dict[str, dict[str, int]] = {}
-    for lang in langs:
-        c: Counter = Counter({k: 0 for k in ("entries", "kept", "accel_stripped", *CLEAN_REASONS)})
-        seen: set = set()
-        out: list[tuple[str, str]] = []
-        for path in catalogs[lang]:
-            out.extend(pairs_from_entries(read_mo(path), c, seen))
-        pairs[lang] = out
+    for lang in chosen:
+        got, origin, c = _read_lang(found[lang], roots, max_bytes, per_source)
+        keep = cap_pairs(got, max_per_lang, seed)
+        if len(keep) < len(got):
+            kept = set(keep)
+            for j in range(len(got)):
+                if j not in kept:
+                    per_source[roots[origin[j]].label].update({"over_cap": 1, "kept": -1})
+            c["over_cap"] = len(got) - len(keep)
+            c["kept"] = len(keep)
+            got = [got[j] for j in keep]
+        pairs[lang] = got
         counters[lang] = dict(c)
-    root = str(locale_dir) if locale_dir is not None else str(package_dir(package))
-    source = {"type": "gettext", "package": None if locale_dir is not None else package, "root": root}
-    if locale_dir is None:
-        try:
-            from importlib.metadata import version
+    source = {
+        "type": "gettext",
+        "roots": [r.to_dict() for r in roots],
+        "exclude_domains": list(exclude_domains),
+        "max_per_lang": max_per_lang,
+        "max_bytes": max_bytes,
+        "catalogs": {l: [_catalog_name(roots, i, p) for i, p in found[l]] for l in chosen},
+    }
+    scripts = {l: dominant_script(xx for _, xx in pairs[l]) for l in chosen}
+    return GettextCorpus(chosen, pairs, counters, source, {k: dict(v) for k, v in per_source.items()}, scripts, notes)
 
-            source["package_version"] = version(package)
-        except Exception:  # noqa: BLE001 - version metadata is optional
-            pass
-    source["catalogs"] = {l: [str(Path(p).relative_to(root)) for p in catalogs[l]] for l in langs}
-    return GettextCorpus(langs, pairs, counters, source)
+
+def _catalog_name(roots: Sequence[CatalogRoot], i: int, path: Path) -> str:
+    """A catalog's path relative to its root, prefixed with the root's label when there are several roots."""
+    rel = str(path.relative_to(roots[i].root))
+    return rel if len(roots) == 1 else f"{roots[i].label}//{rel}"
+
+
+def read_gettext(
+    package: str = "django", langs: Sequence[str] | None = None, locale_dir: str | Path | None = None
+) -> GettextCorpus:
+    """One package's (or one locale directory's) catalogs for ``langs`` (default ``DEFAULT_LANGS``, every one
+    required); :func:`read_catalogs` with that single root."""
+    return read_catalogs([single_root(package, locale_dir)], list(DEFAULT_LANGS if langs is None else langs))
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts
+# ---------------------------------------------------------------------------------------------
+_SCRIPT_WORDS = {"CJK": "Han", "HIRAGANA": "Kana", "KATAKANA": "Kana", "HANGUL": "Hangul"}
+
+
+def char_script(ch: str) -> str | None:
+    """The script of a letter from its Unicode name (``LATIN SMALL LETTER A`` -> ``Latin``); None for
+    anything else (digits, punctuation, symbols, marks)."""
+    if not unicodedata.category(ch).startswith("L"):
+        return None
+    name = unicodedata.name(ch, "")
+    word = name.split(" ", 1)[0]
+    if word in ("FULLWIDTH", "HALFWIDTH"):
+        word = name.split(" ", 2)[1] if name.count(" ") >= 1 else word
+    if word in _SCRIPT_WORDS:
+        return _SCRIPT_WORDS[word]
+    return word.capitalize() if word else None
+
+
+def dominant_script(texts: Iterable[str], max_chars: int = 200_000) -> str:
+    """The script of most letters in ``texts`` (the first ``max_chars`` letters), Latin counted only when no
+    other script has a fifth of the letters (UI translations keep Latin product names and commands); a
+    Japanese text is ``Kana`` when a tenth of its letters are kana (else its Han letters make it ``Han``)."""
+    n: Counter = Counter()
+    total = 0
+    for t in texts:
+        for ch in t:
+            s = char_script(ch)
+            if s:
+                n[s] += 1
+                total += 1
+        if total >= max_chars:
+            break
+    if not total:
+        return "none"
+    if n["Kana"] >= 0.1 * total:
+        return "Kana"
+    other = [(k, v) for k, v in n.most_common() if k != "Latin"]
+    if other and other[0][1] >= 0.2 * total:
+        return other[0][0]
+    return n.most_common(1)[0][0]
 
 
 # ---------------------------------------------------------------------------------------------
 # splits
 # ---------------------------------------------------------------------------------------------
+def split_key(english: str) -> str:
+    """What decides an English string's split: NFKC, case folded, every run of characters other than
+    letters and digits one space (``Open…`` and ``open:`` -> ``open``); the folded string itself when
+    nothing alphanumeric is left."""
+    s = unicodedata.normalize("NFKC", english).casefold()
+    key = " ".join("".join(ch if ch.isalnum() else " " for ch in s).split())
+    return key or s
+
+
 def split_of(english: str, valid_frac: float = 0.05, test_frac: float = 0.05, seed: int = 0) -> str:
-    """'train' / 'valid' / 'test' from a stable hash of the English side (same for every language)."""
+    """'train' / 'valid' / 'test' from a stable hash of a string (prepare hashes ``split_key(english)``, so
+    one English string is in one split for every language and every root)."""
     h = hashlib.sha256(f"{seed}\x00{english}".encode("utf-8")).digest()
     u = int.from_bytes(h[:8], "little") / 2.0**64
     if u < valid_frac:

@@ -13,10 +13,22 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from scaletrain.data.example import Example
-from scaletrain.data.gettext import PIVOT, check_fracs, read_gettext, split_of
+from scaletrain.data.gettext import (
+    CATALOG_LANGS,
+    DEFAULT_LANGS,
+    EXCLUDED_DOMAINS,
+    PIVOT,
+    CatalogRoot,
+    single_root,
+    check_fracs,
+    read_catalogs,
+    resolve_roots,
+    split_key,
+    split_of,
+)
 from scaletrain.data.hf_parquet import check_schema, hf_parquet_corpora, read_parquet_range
 from scaletrain.data.opus import opus100_corpora
-from scaletrain.data.prepare_args import DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401 (re-exported)
+from scaletrain.data.prepare_args import CATALOGS_OUT, DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401
 from scaletrain.data.shards import (
     MANIFEST,
     SPLITS,
@@ -47,7 +59,8 @@ from scaletrain.data.parallel_text import (
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_bytes, sha256_file
 
-GETTEXT_SHARD_SIZE = 2048  # examples per shard: the bundled django train set gives >= 4 train shards
+GETTEXT_SHARD_SIZE = 2048  # examples per shard at least: the bundled django train set gives >= 4 train shards
+GETTEXT_TRAIN_SHARDS = 32  # larger corpora: about this many train shards (enough for ranks x loader workers)
 GETTEXT_BLOCK_SIZE = 256  # examples per block
 
 
@@ -59,22 +72,41 @@ def prepare_gettext(
     valid_frac: float = 0.05,
     test_frac: float = 0.05,
     seed: int = 0,
-    shard_size: int = GETTEXT_SHARD_SIZE,
+    shard_size: int | None = None,
     progress: bool = True,
     *,
     block_size: int = GETTEXT_BLOCK_SIZE,
     locale_dir: str | Path | None = None,
+    roots: Sequence[CatalogRoot] | None = None,
+    default_langs: Sequence[str] = CATALOG_LANGS,
+    exclude_domains: Sequence[str] = EXCLUDED_DOMAINS,
+    max_per_lang: int = 0,
+    max_bytes: int = 0,
+    notes: Sequence[str] = (),
 ) -> Manifest:
-    """Read gettext catalogs, clean, split by English-string hash, write both directions to shards.
+    """Read gettext catalogs, clean, merge, split by English-string hash, write both directions to shards.
+
+    ``roots`` (see ``gettext.resolve_roots``): the catalog trees to merge; without them the single
+    ``package`` (or ``locale_dir``), whose languages default to ``DEFAULT_LANGS`` (all required); with them
+    the ``default_langs`` (``CATALOG_LANGS``) that have catalogs there. ``max_per_lang`` / ``max_bytes``: see
+    ``gettext.read_catalogs``. ``shard_size`` (examples per shard) defaults to ``GETTEXT_SHARD_SIZE`` or
+    enough for about ``GETTEXT_TRAIN_SHARDS`` train shards, whichever is larger. ``notes`` (e.g. catalog
+    sets that found nothing) are recorded in the manifest beside the reader's own.
 
     Manifest languages are ``["en", *langs]`` (the vocabulary order). The train split is shuffled
     with ``seed`` before sharding (so every block mixes languages); valid/test keep a readable
     order (language, then catalog order; xx->en and en->xx interleaved per pair).
     """
     check_fracs(valid_frac, test_frac)
-    corpus = read_gettext(package, langs, locale_dir)
+    if roots is None:
+        roots = [single_root(package, locale_dir)]
+        langs = list(DEFAULT_LANGS) if langs is None else langs
+    corpus = read_catalogs(roots, langs, default_langs=default_langs,
+                           exclude_domains=exclude_domains, max_per_lang=max_per_lang, max_bytes=max_bytes, seed=seed)
     languages = [PIVOT, *corpus.langs]
     by_split, split_counts = _gettext_splits(corpus, valid_frac, test_frac, seed)
+    if shard_size is None:
+        shard_size = max(GETTEXT_SHARD_SIZE, -(-len(by_split["train"]) // GETTEXT_TRAIN_SHARDS))
     out = prepare_out_dir(out, overwrite)
     total = sum(len(v) for v in by_split.values())
     bar = tqdm(total=total, desc=f"prepare {out}", unit="ex", disable=not progress)
@@ -91,7 +123,10 @@ def prepare_gettext(
         "rules": "scaletrain.data.gettext (see module doc)",
         "total": corpus.total_counters(),
         "per_lang": corpus.counters,
+        "per_source": corpus.per_source,
+        "scripts": corpus.scripts,
         "pairs_per_split": split_counts,
+        "notes": [*notes, *corpus.notes],
     }
     params = {
         "valid_frac": valid_frac,
@@ -100,6 +135,7 @@ def prepare_gettext(
         "shard_size": shard_size,
         "block_size": block_size,
         "directions": "both (xx-en and en-xx)",
+        "split_key": "gettext.split_key (NFKC, case folded, punctuation runs as one space)",
     }
     manifest = Manifest(languages=languages, splits=splits, cleaning=cleaning, source=corpus.source, params=params)
     write_manifest(out, manifest)
@@ -107,13 +143,16 @@ def prepare_gettext(
 
 
 def _gettext_splits(corpus, valid_frac: float, test_frac: float, seed: int):
-    """Both directions of every pair, by split (the English string's hash decides), the train
-    split shuffled with ``seed``; and the pairs per split and language (for the manifest)."""
+    """Both directions of every pair, by split (the hash of the English string's split key decides), the
+    train split shuffled with ``seed``; and the pairs per split and language (for the manifest)."""
     by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
     split_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
+    split_memo: dict[str, str] = {}  # one English string recurs in many languages: hash it once
     for li, lang in enumerate(corpus.langs, start=1):
         for en, xx in corpus.pairs[lang]:
-            s = split_of(en, valid_frac, test_frac, seed)
+            s = split_memo.get(en)
+            if s is None:
+                s = split_memo[en] = split_of(split_key(en), valid_frac, test_frac, seed)
             e, x = en.encode("utf-8"), xx.encode("utf-8")
             by_split[s].append(Example(li, 0, x, e))
             by_split[s].append(Example(0, li, e, x))
@@ -528,12 +567,62 @@ def cleaning_summary(cleaning: dict) -> str:
     return line + (f"; kept with notes: {kept_notes}" if kept_notes else "")
 
 
+def _gettext_bundled(args) -> bool:
+    """No catalogs named, or Django's alone: the bundled corpus (its languages, its directory)."""
+    return not (getattr(args, "catalogs", None) or getattr(args, "locale_dir", None)) and \
+        (getattr(args, "package", None) or ["django"]) == ["django"]
+
+
+def _gettext_default_out(args) -> str:
+    return DEFAULT_OUT["gettext"] if _gettext_bundled(args) else CATALOGS_OUT
+
+
+def _prepare_gettext_from_args(args, out: str, langs: list[str] | None, progress: bool) -> Manifest:
+    if args.resume or args.workers != 1 or args.opus_root:
+        raise ScaletrainError("--resume, --workers and --opus-root are for line-aligned sources "
+                              "(--source opus100/hf-parquet/moses/tsv); gettext catalogs are read in one pass")
+    roots, notes = resolve_roots(_split_langs(args.catalogs) or (), args.locale_dir or (), args.package or ())
+    for n in notes:
+        print(f"note: {n}")
+    exclude = [x.strip() for x in (args.exclude_domains or "").split(",") if x.strip()]
+    return prepare_gettext(langs=langs, out=out, overwrite=args.overwrite, valid_frac=args.valid_frac,
+                           test_frac=args.test_frac, seed=args.seed, progress=progress, roots=roots,
+                           default_langs=DEFAULT_LANGS if _gettext_bundled(args) else CATALOG_LANGS,
+                           exclude_domains=exclude, max_per_lang=args.max_per_lang, max_bytes=args.max_bytes,
+                           notes=notes)
+
+
+def gettext_report(m: Manifest) -> str:
+    """What a gettext prepare read and kept: one line per catalog root, one per language (script, pairs per
+    split, what its rules dropped), the number of languages and scripts, and the notes."""
+    cl = m.cleaning or {}
+    lines = []
+    for label, c in (cl.get("per_source") or {}).items():
+        quiet = ("catalogs", "entries", "kept", "accel_stripped", "excluded_catalogs")
+        dropped = ", ".join(f"{k} {v:,}" for k, v in c.items() if v and k not in quiet)
+        lines.append(f"source {label}: {c.get('catalogs', 0):,} catalogs ({c.get('excluded_catalogs', 0):,} excluded "
+                     f"by domain), {c.get('entries', 0):,} entries, {c.get('kept', 0):,} pairs kept"
+                     + (f"; dropped: {dropped}" if dropped else ""))
+    scripts = cl.get("scripts") or {}
+    per_split = cl.get("pairs_per_split") or {}
+    langs = m.languages[1:]
+    lines.append(f"{len(langs)} languages (+ en) in {len(set(scripts.values()))} scripts:")
+    lines.append(f"  {'lang':8} {'script':11} {'pairs':>8} {'train':>8} {'valid':>6} {'test':>6}  dropped")
+    for lang in langs:
+        c = (cl.get("per_lang") or {}).get(lang, {})
+        n = [per_split.get(s, {}).get(lang, 0) for s in SPLITS]
+        dropped = ", ".join(f"{k} {v:,}" for k, v in c.items() if v and k not in ("entries", "kept", "accel_stripped"))
+        lines.append(f"  {lang:8} {scripts.get(lang, '?'):11} {sum(n):8,} {n[0]:8,} {n[1]:6,} {n[2]:6,}  {dropped}")
+    lines += [f"note: {x}" for x in cl.get("notes") or []]
+    return "\n".join(lines)
+
+
 def prepare_from_args(args) -> int:
     """Run ``prepare`` for parsed ``add_prepare_arguments`` args; prints a summary, returns 0."""
     source = args.source
     if getattr(args, "tsv_lang_columns", False) and source != "tsv":
         raise ScaletrainError(f"--tsv-lang-columns belongs to --source tsv, not {source}")
-    out = args.out or DEFAULT_OUT.get(source)
+    out = args.out or (_gettext_default_out(args) if source == "gettext" else DEFAULT_OUT.get(source))
     if out is None:
         raise ScaletrainError(f"--source {source} needs --out DIR")
     progress = not getattr(args, "no_progress", False)
@@ -544,12 +633,7 @@ def prepare_from_args(args) -> int:
     if getattr(args, "input", None) and source != "hf-parquet":
         raise ScaletrainError(f"--input belongs to --source hf-parquet, not {source}")
     if source == "gettext":
-        if args.resume or args.workers != 1 or args.opus_root:
-            raise ScaletrainError("--resume, --workers and --opus-root are for line-aligned sources "
-                                  "(--source opus100/hf-parquet/moses/tsv); gettext catalogs are small and read in one pass")
-        m = prepare_gettext(package=args.package, langs=langs, out=out, overwrite=args.overwrite,
-                            valid_frac=args.valid_frac, test_frac=args.test_frac, seed=args.seed,
-                            progress=progress, locale_dir=args.locale_dir)
+        m = _prepare_gettext_from_args(args, out, langs, progress)
     else:
         kw = dict(both_directions=not args.one_direction, max_bytes=args.max_bytes, max_ratio=args.max_ratio,
                   keep_invalid_utf8=args.keep_invalid_utf8, shard_lines=args.shard_lines,
@@ -582,6 +666,8 @@ def prepare_from_args(args) -> int:
     n = {s: info.n_examples for s, info in m.splits.items()}
     print(f"wrote {out}: {len(m.languages)} languages, {sum(n.values()):,} examples "
           f"({', '.join(f'{s} {v:,}' for s, v in n.items())})")
+    if source == "gettext":
+        print(gettext_report(m))
     summary = cleaning_summary(m.cleaning)
     if summary:
         print(summary)

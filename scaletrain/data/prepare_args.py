@@ -5,28 +5,45 @@ The CLI adds them with ``add_prepare_arguments(parser)`` and runs
 """
 from __future__ import annotations
 
+from scaletrain.data.gettext import EXCLUDED_DOMAINS, SYSTEM_LOCALE_DIRS
+
 _SHARD_LINES = 50_000  # = prepare.PARALLEL_SHARD_LINES
 _BLOCK_SIZE = 1024  # = prepare.PARALLEL_BLOCK_SIZE
 SOURCES = ("gettext", "opus100", "hf-parquet", "moses", "tsv")
 DEFAULT_OUT = {"gettext": "shards/django", "opus100": "shards/opus100"}
+CATALOGS_OUT = "shards/catalogs"  # gettext with catalogs other than Django's alone
 
 
 def add_prepare_arguments(p) -> None:
     """All arguments of ``scaletrain prepare`` (gettext, OPUS-100, Hub Parquet, Moses file pairs, TSV)."""
     p.add_argument("--source", default="gettext", choices=SOURCES, help="input format (default gettext)")
-    p.add_argument("--out", default=None, help="output directory (default shards/django for gettext, "
-                   "shards/opus100 for opus100; required otherwise)")
+    p.add_argument("--out", default=None, help="output directory (default shards/django for the bundled gettext "
+                   f"corpus, {CATALOGS_OUT} for other gettext catalogs, shards/opus100 for opus100; required otherwise)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    p.add_argument("--langs", default=None, help="comma-separated language codes (gettext: default the bundled "
-                   "set; opus100 and tsv with --tsv-lang-columns: default every language found; hf-parquet: keep "
-                   "the pairs whose languages are all listed or en)")
-    g = p.add_argument_group("gettext")
-    g.add_argument("--package", default="django", help="installed Python package whose gettext catalogs to read")
-    g.add_argument("--locale-dir", default=None, help="read <DIR>/<locale>/LC_MESSAGES/*.mo instead of a package "
-                   "(e.g. /usr/share/locale)")
+    p.add_argument("--langs", default=None, help="comma-separated language codes (gettext: 'all' = every language "
+                   "found; default the bundled 14 for Django alone, else the 28 of gettext.CATALOG_LANGS that have "
+                   "catalogs on this machine; opus100 and tsv with --tsv-lang-columns: default every language found; "
+                   "hf-parquet: keep the pairs whose languages are all listed or en)")
+    p.add_argument("--max-bytes", type=int, default=800, help="drop pairs with a side longer than this many UTF-8 "
+                   "bytes (default 800; gettext: counted as too_long)")
+    g = p.add_argument_group("gettext (catalog roots are merged in the order system, --locale-dir, packages; "
+                             "nothing named = the bundled corpus, Django's catalogs)")
+    g.add_argument("--catalogs", default=None, metavar="SETS", help="comma-separated catalog sets: system (every "
+                   f"existing one of {', '.join(SYSTEM_LOCALE_DIRS)}), packages (every installed Python package "
+                   "with gettext catalogs, e.g. django); e.g. --catalogs system,packages")
+    g.add_argument("--package", action="append", default=None, metavar="NAME", help="an installed Python package "
+                   "whose catalogs to read (repeatable; default django when no other catalogs are named)")
+    g.add_argument("--locale-dir", action="append", default=None, metavar="DIR", help="a tree of "
+                   "<DIR>/<locale>/LC_MESSAGES/*.mo to read (repeatable; e.g. /usr/share/locale)")
+    g.add_argument("--exclude-domains", default=",".join(EXCLUDED_DOMAINS), metavar="PATTERNS",
+                   help="comma-separated shell patterns of catalog domains (file names without .mo) to skip "
+                   f"(default {','.join(EXCLUDED_DOMAINS)}: ISO 639-3 language and ISO 3166-2 subdivision name "
+                   "lists; '' = none)")
+    g.add_argument("--max-per-lang", type=int, default=0, metavar="N", help="keep at most N pairs per language, "
+                   "chosen by a seeded hash of the English string (0 = all, default)")
     g.add_argument("--valid-frac", type=float, default=0.05)
     g.add_argument("--test-frac", type=float, default=0.05)
-    g.add_argument("--seed", type=int, default=0, help="seed of the split hash and train shuffle")
+    g.add_argument("--seed", type=int, default=0, help="seed of the split hash, the caps and the train shuffle")
     o = p.add_argument_group("opus100")
     o.add_argument("--opus-root", default=None, help="OPUS-100 release folder (the one holding opus-100-corpus, "
                    "or it, its v1.0, or supervised)")
@@ -49,7 +66,6 @@ def add_prepare_arguments(p) -> None:
     m.add_argument("--valid-tsv", default=None, help="tsv valid file")
     m.add_argument("--test-tsv", default=None, help="tsv test file")
     f = p.add_argument_group("line-aligned sources (opus100, hf-parquet, moses, tsv): filters and parallelism")
-    f.add_argument("--max-bytes", type=int, default=800, help="drop pairs with a side longer than this (bytes; 800)")
     f.add_argument("--max-ratio", type=float, default=None, help="drop pairs whose longer/shorter byte ratio "
                    "exceeds this (off by default)")
     f.add_argument("--keep-invalid-utf8", action="store_true", help="keep pairs with invalid UTF-8 as raw bytes "

@@ -4,5 +4,7 @@
 * :mod:`scaletrain.eval.scoring` - sacrebleu BLEU/chrF per direction and language group, tables, JSON;
 * :mod:`scaletrain.eval.evaluate` - decode and score a split of a checkpoint (``scaletrain evaluate``);
 * :mod:`scaletrain.eval.translate` - translate raw lines and line streams (``scaletrain translate``);
-* :mod:`scaletrain.eval.in_training` - BLEU validation during training, the best checkpoint, early stopping.
+* :mod:`scaletrain.eval.in_training` - BLEU validation during training, the best checkpoint, early stopping;
+* :mod:`scaletrain.eval.compare_models` - the papers' models trained for equal minutes, evaluated, compared
+  (``scaletrain compare-models``).
 """

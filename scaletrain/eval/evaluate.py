@@ -19,7 +19,7 @@ from pathlib import Path
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import translate_examples
+from scaletrain.eval.generate import train_length_ratios, translate_examples
 from scaletrain.eval.in_training import first_n_per_direction
 from scaletrain.eval.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
 from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions
@@ -82,6 +82,8 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
     res = translate_examples(
         model, examples, vocab, batch_tokens=ec.batch_tokens, beam=beam, lenpen=lenpen,
         max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
+        # a degenerate model stops near training's lengths
+        length_ratios=train_length_ratios(load_manifest(shards)),
     )
     secs = time.time() - t0
     if bar:
@@ -100,6 +102,10 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
         "checkpoint": str(ckpt), "split": split, "shards": str(shards), "beam": beam, "lenpen": lenpen,
         "max_len_a": max_len[0], "max_len_b": max_len[1],
         "lines": len(examples), "decode_seconds": secs, "sentences_per_s": len(examples) / max(secs, 1e-9),
+        # hypotheses stopped before a byte that made them invalid UTF-8 (generate.py, stop_invalid_utf8)
+        "cut_invalid_utf8": res.n_cut,
+        # hypotheses that ended at their length limit (max_len_a/b, or 2 x the direction's training ratio + 20)
+        "at_length_limit": res.n_at_limit,
         "step": trainer_state.get("step"), "run_id": trainer_state.get("run_id"),
         "tracking": {"uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment},
         # (src_lang, tgt_lang, source, reference, hypothesis) per line, in split order (write_hypotheses)

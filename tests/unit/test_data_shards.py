@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from helpers import ROOT
 from scaletrain import __version__
 from scaletrain.data.batch import Example
-from scaletrain.data.gettext import split_of
+from scaletrain.data.gettext import split_key, split_of
 from scaletrain.data.prepare import prepare_gettext
 from scaletrain.data.shards import (
     SplitWriter,
@@ -233,11 +233,11 @@ def test_prepare_gettext_django(tmp_path):
     # both directions, equal counts
     for lang in m.languages[1:]:
         assert tr.directions[f"{lang}-en"].n == tr.directions[f"en-{lang}"].n > 0
-    # an English string is in exactly one split, for every language, and it is the hash's split
+    # an English string (by its split key) is in exactly one split, for every language, and it is the hash's split
     seen = {}
     for split in ("train", "valid", "test"):
         for ex in read_split(out, split):
-            en = (ex.tgt if ex.tgt_lang == 0 else ex.src).decode()
+            en = split_key((ex.tgt if ex.tgt_lang == 0 else ex.src).decode())
             assert seen.setdefault(en, split) == split
             assert split_of(en, 0.05, 0.05, 0) == split
     # the train split is shuffled: its first block mixes languages

@@ -335,7 +335,7 @@ def test_translate_examples_restores_order_and_counts_invalid():
         exs.append(Example(i % 3, (i + 1) % 3, bytes(torch.randint(97, 123, (L,), generator=g).tolist()), b"ref"))
     done = []
     res = G.translate_examples(model, exs, vocab, batch_tokens=60, beam=2, max_len_a=0.5, max_len_b=4,
-                               progress=done.append)
+                               progress=done.append, stop_invalid_utf8=False)
     assert sum(done) == len(exs) and len(done) > 1  # several batches
     for ex, toks, text, inv in zip(exs, res.tokens, res.texts, res.invalid):
         b = collate([ex])
@@ -346,7 +346,8 @@ def test_translate_examples_restores_order_and_counts_invalid():
     # a model that can only say byte 0xFF (never valid UTF-8): every byte is one invalid sequence
     ff = ToyModel(seed=9, allowed={BYTE_OFFSET + 0xFF, EOS},
                   bias=torch.zeros(V).index_fill(0, torch.tensor([EOS]), -30.0))
-    res = G.translate_examples(ff, exs[:3], vocab, batch_tokens=1000, beam=1, max_len_a=0, max_len_b=2)
+    res = G.translate_examples(ff, exs[:3], vocab, batch_tokens=1000, beam=1, max_len_a=0, max_len_b=2,
+                               stop_invalid_utf8=False)
     assert res.texts == ["\ufffd\ufffd"] * 3
     assert res.invalid == [2, 2, 2] and res.n_invalid == 6 and res.n_invalid_lines == 3
 
@@ -360,4 +361,5 @@ def test_translate_examples_truncates_long_sources_instead_of_dropping():
     assert all(len(t) <= 15 for t in res.tokens)  # capped by max_positions - 1
     # the long source was cut to max_positions - 2 bytes (tag + EOS fit)
     cut = collate([Example(0, 1, b"a" * 14, b"")])
-    assert G.generate(model, cut.src, cut.tgt_in[:, 0], beam=3, max_len_a=0, max_len_b=50)[0] == res.tokens[0]
+    assert G.generate(model, cut.src, cut.tgt_in[:, 0], beam=3, max_len_a=0, max_len_b=50,
+                      stop_invalid_utf8=True)[0] == res.tokens[0]
