@@ -9,6 +9,7 @@ import torch
 
 from scaletrain.engine.base import Engine, StepInfo
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
+from scaletrain.engine.ds_config import runtime_ds_config
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
 from scaletrain.engine.model_prep import prepare_model
 from scaletrain.engine.optim import build_optimizer, build_scheduler
@@ -21,7 +22,8 @@ class DeepSpeedEngine(Engine):
         self.cfg = cfg
         ensure_dist_env()
         configure_threads(cfg)  # first: the precision probe runs on the rank's threads
-        self.ds_config = preflight(cfg, int(os.environ["WORLD_SIZE"]))  # before any process group
+        # before any process group; bf16 at ZeRO-0 as torch autocast (ds_config.runtime_ds_config)
+        self.ds_config = runtime_ds_config(preflight(cfg, int(os.environ["WORLD_SIZE"])))
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         import deepspeed
         from deepspeed.accelerator import get_accelerator
@@ -75,6 +77,9 @@ class DeepSpeedEngine(Engine):
 
     def step(self) -> StepInfo:
         return self.driver.step()
+
+    def abandon_step(self, failed: int) -> None:
+        self.driver.abandon_step(failed)
 
     @property
     def lr(self) -> float:
