@@ -153,6 +153,8 @@ class Trainer:
             self.evaluator.validation_loss()  # the start of the validation curve
         self.prefetcher = Prefetcher(self.stream, iter(self.stream), self.cfg.engine.grad_accum, eng.device)
         self._pending = []
+        if st.step < self.cfg.train.max_steps:
+            self.prefetcher.fetch()  # the first step's batches (opening the stream: outside the step ranges)
         self.preemption.install()
         eng.train(True)
         self.clock.start()
