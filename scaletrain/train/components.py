@@ -111,6 +111,7 @@ class StepLogger:
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
         self.last_routing: dict[str, float] = {}
+        self.last_metrics: dict[str, float] = {}  # the last report's metrics (every rank)
         self.start()
 
     def start(self) -> None:
@@ -171,6 +172,7 @@ class StepLogger:
         if aux_n:
             metrics["train/moe_aux_loss"] = aux_sum / aux_n
         self.loss_history.append((st.step, metrics["train/loss"]))
+        self.last_metrics = metrics
         if eng.is_main:
             skipped = (f" | skipped {skipped} (fp16 overflow; {st.skipped_steps} in all)" if skipped else "")
             mfu = f" | mfu {100 * metrics['train/mfu']:.1f}%" if "train/mfu" in metrics else ""
