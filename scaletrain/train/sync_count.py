@@ -25,6 +25,8 @@ import torch
 
 STEP_PREFIX = "scaletrain.step#"
 READ_OPS = ("aten::_local_scalar_dense",)  # the operator every host read of a device scalar runs
+# CUDA runtime calls that block the host until the GPU is done (a blocking copy to the host runs one too)
+CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")  # Optimizer.step#<name>.step ranges left out
 _OPT_RANGE = re.compile(r"^Optimizer\.step#(\w+)\.step$")
 
@@ -60,6 +62,20 @@ def host_reads_per_step(events, ops=READ_OPS) -> Counter:
         if not in_opt:
             out[step] += 1
     return out
+
+
+def host_syncs(events) -> int:
+    """Host reads and CUDA synchronisations in ``events`` outside torch's own optimizer step, each counted
+    once (a CUDA synchronisation inside a host read is that read)."""
+    n = 0
+    for ev in events:
+        if ev.name not in READ_OPS and ev.name not in CUDA_SYNCS:
+            continue
+        outer = [a.name for a in _ancestors(ev)]
+        in_opt = any((m := _OPT_RANGE.match(a)) and m.group(1) in TORCH_OPTIMIZERS for a in outer)
+        if not in_opt and not (ev.name in CUDA_SYNCS and any(a in READ_OPS for a in outer)):
+            n += 1
+    return n
 
 
 def steps_seen(events) -> list[int]:
