@@ -31,7 +31,7 @@ from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
 from scaletrain.engine.device_skip import can_skip_on_device, clip_, grad_norm, nonfinite_flag, rewind_schedule, withheld_if
 from scaletrain.engine.ds_config import runtime_ds_config
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
-from scaletrain.engine.model_prep import prepare_model
+from scaletrain.engine.model_prep import cudagraph_step_begin, prepare_model, uses_cudagraphs
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
@@ -44,6 +44,7 @@ MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 class AccelerateEngine(Engine):
     _force_skip = False  # abandon_step: the next update is withheld
+    _cudagraphs = False  # engine.compile_mode=reduce-overhead on CUDA
     def __init__(self, cfg):
         self.cfg = cfg
         self.mode = cfg.engine.accelerate
@@ -111,6 +112,7 @@ class AccelerateEngine(Engine):
     # ------------------------------------------------------------------------------
     def setup(self, model):
         model = prepare_model(model, self.cfg)
+        self._cudagraphs = uses_cudagraphs(self.cfg)
         self.ep = ExpertParallelGrads(model)
         experts = self.ep.snapshot() if self.ep.active else None
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
@@ -125,7 +127,7 @@ class AccelerateEngine(Engine):
                 self.ep.restore(experts)
             # Accelerate hands DeepSpeed only its own scheduler types: ours is stepped by the driver
             self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, scheduler=self.scheduler,
-                                       clip_norm=float(self.cfg.optim.clip_norm))
+                                       clip_norm=float(self.cfg.optim.clip_norm), cudagraphs=self._cudagraphs)
             self.device = self._ds.device
 
     @property
@@ -149,6 +151,8 @@ class AccelerateEngine(Engine):
                 raise RuntimeError("AccelerateEngine.forward called twice without backward")
             self._ctx = contextlib.ExitStack()
             self._ctx.enter_context(self.acc.accumulate(self.model))
+        if self._ds is None:
+            cudagraph_step_begin(self._cudagraphs and self.model.training)
         return self.model(src, tgt_in)
 
     def backward(self, loss):

@@ -17,6 +17,7 @@ import torch
 from scaletrain.engine.base import StepInfo, min_loss_scale_error
 from scaletrain.engine.device_skip import (can_skip_on_device, clip_, grad_norm, nonfinite_flag, rewind_schedule,
                                            withheld_if)
+from scaletrain.engine.model_prep import cudagraph_step_begin
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -122,8 +123,9 @@ class DeepSpeedDriver:
     over the EDP group instead of summing them over the EP group).
     """
 
-    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0):
+    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0, cudagraphs: bool = False):
         self.e = ds_engine
+        self.cudagraphs = cudagraphs  # engine.compile_mode=reduce-overhead on CUDA (model_prep.uses_cudagraphs)
         self.scheduler = scheduler
         self.ep = ExpertParallelGrads(ds_engine.module)
         self.clip_norm = clip_norm
@@ -170,6 +172,7 @@ class DeepSpeedDriver:
         self.e.train(mode)
 
     def forward(self, src, tgt_in):
+        cudagraph_step_begin(self.cudagraphs and self.e.module.training)
         return self.e(src, tgt_in)
 
     def backward(self, loss) -> None:

@@ -11,7 +11,7 @@ from scaletrain.engine.base import Engine, StepInfo
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
 from scaletrain.engine.ds_config import runtime_ds_config
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
-from scaletrain.engine.model_prep import prepare_model
+from scaletrain.engine.model_prep import prepare_model, uses_cudagraphs
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -55,7 +55,8 @@ class DeepSpeedEngine(Engine):
             )
         if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
             ep.restore(experts)
-        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm))
+        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm),
+                                      cudagraphs=uses_cudagraphs(self.cfg))
         self.device = self.driver.device
 
     @property
