@@ -239,7 +239,7 @@ class Engine(ABC):
         t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(t, group=self.host_group())
-        return t.tolist()
+        return t.numpy().tolist()  # a host tensor (numpy() refuses a device one)
 
     def host_group(self):
         """A process group for host (CPU) tensors: the default group where it is gloo, else a gloo group of
