@@ -23,8 +23,9 @@ over rounds and each ratio (vs ``hf``) is taken within a round first. Per varian
 (target tokens), MFU (model FLOPs per target token x tokens/s over the bf16 matmul peak measured in the same
 run), host syncs per step (``aten::_local_scalar_dense`` plus CUDA stream/device/event synchronisations outside
 torch's optimizer step in a ``torch.profiler`` trace of ``--profile-steps`` steps, ``sync_count.host_syncs``; and
-the synchronising calls ``torch.cuda.set_sync_debug_mode('warn')`` reports in one step, column ``dbg``), kernel launches per step and peak memory. The batches sit on the device already (the training
-loop's prefetcher moves them while the previous step computes).
+the synchronising calls ``torch.cuda.set_sync_debug_mode('warn')`` reports in one step, column ``dbg``), kernel
+launches per step and peak memory. The batches sit on the device already (the training loop's prefetcher moves
+them while the previous step computes).
 
 ``--smoke``: CPU, tiny model, fp32, a few steps, compile with ``aot_eager``, no CUDA graphs: the CI test
 (tests/integration/test_bench_gpu_step_smoke.py) runs it so the script keeps working without a GPU.
@@ -267,7 +268,8 @@ def report(args, dev, V: int, peak: float, rows: dict) -> dict:
     m = make_cfg(args).model
     fpt = estimate_flops_per_token(m, args.seq, args.seq, V)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    print(f"\n{name}, torch {torch.__version__}, {args.precision}; d {m.d_model}, {m.encoder_layers}+{m.decoder_layers} "
+    print(f"\n{name}, torch {torch.__version__}, {args.precision}; d {m.d_model}, "
+          f"{m.encoder_layers}+{m.decoder_layers} "
           f"layers, FFN {m.ffn_dim}, vocab {V}; {fpt / 1e6:.1f} MFLOP per target token; matmul peak "
           f"{peak / 1e12:.1f} TFLOP/s; {args.rounds} rounds x {args.steps} steps, medians")
     print(f"{'variant':<12} {'tokens':>6} {'ms/step':>8} {'tok/s':>9} {'vs hf':>6} {'MFU':>6} {'syncs':>6} "

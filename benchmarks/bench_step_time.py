@@ -98,7 +98,8 @@ def main(argv=None) -> int:
             for q in ("p10", "median"):
                 rec[f"{tree}_{q}_ms"] = 1e3 * statistics.median(p[i][f"{q}_s"] for p in pairs)
         print(f"{r:<12} base {rec['base_p10_ms']:7.1f} ({rec['base_median_ms']:7.1f})  this {rec['this_p10_ms']:7.1f} "
-              f"({rec['this_median_ms']:7.1f})  speed-up {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+              f"({rec['this_median_ms']:7.1f})  speed-up {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
         results.append(rec)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

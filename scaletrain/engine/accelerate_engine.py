@@ -200,12 +200,12 @@ class AccelerateEngine(Engine):
             self.ep.reduce(dense=False)  # DDP averaged the dense gradients
             norm = self.ep.clip(clip)
         elif clip > 0:
-            norm = float(self.acc.clip_grad_norm_(self.model.parameters(), clip))
+            norm = self.acc.clip_grad_norm_(self.model.parameters(), clip)  # a device tensor: read on log steps
         else:
             self.acc.unscale_gradients()
             norm = own_grad_norm(self.model.parameters())
         scaler = self.acc.scaler  # fp16: the GradScaler skips overflowing updates and lowers its scale
-        if scaler is None and not math.isfinite(norm):  # the reduced gradient: the same on every rank
+        if scaler is None and not math.isfinite(float(norm)):  # the reduced gradient: the same on every rank
             self.optimizer.zero_grad(set_to_none=True)
             return StepInfo(grad_norm=norm, lr=self.lr, skipped=True, nonfinite=True)
         self.optimizer.step()

@@ -120,8 +120,8 @@ def _sync_free(ds: dict, path: Path, stage: int, prec: str) -> None:
         raise ScaletrainError(f"{path}: 'torch_autocast' must be an object")
     if autocast and autocast.get("enabled") not in (None, "auto", prec == "bf16" and stage == 0):
         raise ScaletrainError(
-            f"{path}: 'torch_autocast.enabled' is {autocast['enabled']!r}; scaletrain turns it on for engine.precision=bf16 "
-            "at ZeRO-0 (fp32 weights, bf16 autocast) and off otherwise; remove the key")
+            f"{path}: 'torch_autocast.enabled' is {autocast['enabled']!r}; scaletrain turns it on for "
+            "engine.precision=bf16 at ZeRO-0 (fp32 weights, bf16 autocast) and off otherwise; remove the key")
     if prec == "bf16" and stage in (1, 2):
         ds["bf16"].setdefault("check_grad_overflow", False)
 

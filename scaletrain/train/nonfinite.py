@@ -9,8 +9,8 @@ DeepSpeed's own check); the flag is read with the step's other values on the nex
 step, and a skipped update's LR step is undone then. fp16 keeps its loss scaler: an overflow there lowers
 the scale (``skipped_steps``), and the minimum scale stops the job.
 
-This guard then, on every rank, when those values are read (``Trainer._settle``, in step order): counts the skipped update (``TrainState.nonfinite_steps``, metric
-``train/nonfinite_steps``), writes ``OUT/nonfinite/step-N-rankR.json`` with the step's examples (the
+This guard then, on every rank, when those values are read (``Trainer._settle``, in step order): counts
+the skipped update (``TrainState.nonfinite_steps``, metric ``train/nonfinite_steps``), writes ``OUT/nonfinite/step-N-rankR.json`` with the step's examples (the
 data-stream position before the step, and per micro-batch and row the languages, the text and its
 sha256: the stream is deterministic, so position + row names the example; the text finds it in the
 shards) and stops with one line under ``train.nonfinite=stop``, or after ``train.max_nonfinite``

@@ -49,7 +49,8 @@ class OomPolicy:
         if self.mode == "stop":
             raise ScaletrainError(
                 f"out of device memory in micro-batch {failed + 1}/{len(micro)} of the step, a batch of {shape} "
-                f"(data.max_tokens={self.max_tokens}): lower data.max_tokens (or engine.activation_checkpointing=true), "
+                f"(data.max_tokens={self.max_tokens}): lower data.max_tokens (or engine.activation_checkpointing="
+                "true), "
                 "or set train.on_oom=skip to skip such batches; the last checkpoint is intact: re-run to resume")
         gc.collect()
         if torch.cuda.is_available():

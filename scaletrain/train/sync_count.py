@@ -8,9 +8,11 @@ GPU then idles while the host catches up. :func:`host_reads_per_step` attributes
 the step ranges they ran in, leaving out the ones inside torch's own optimizer ``step`` (ranges
 ``Optimizer.step#<torch optimizer>.step``), which are the optimizer's business.
 
-On CPU this sees every ``.item()``-style read but not ``.cpu()``/``.tolist()``/``.numpy()`` of a
-tensor (a no-op there); ``benchmarks/bench_gpu_step.py`` checks those on a GPU with
-``torch.cuda.set_sync_debug_mode``.
+On CUDA the trace also holds the runtime's ``cudaStreamSynchronize``/``cudaDeviceSynchronize``/
+``cudaEventSynchronize`` calls (a blocking copy to the host runs one), counted too. On CPU the profiler
+sees every ``.item()``-style read but not ``.cpu()``/``.tolist()`` of a tensor (no operator runs): while a
+:class:`StepWatch` is active those calls are counted per update by wrapping the two methods, and on CUDA
+the synchronising calls ``torch.cuda.set_sync_debug_mode("warn")`` reports are counted per update.
 
 Written here rather than taken from a library: the profiler gives the events, the attribution to our
 steps is ours.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections import Counter
 
 import torch
@@ -43,39 +46,30 @@ def _ancestors(ev):
         p = p.cpu_parent
 
 
-def host_reads_per_step(events, ops=READ_OPS) -> Counter:
-    """{update number: host reads} over ``events`` (``prof.events()``); reads outside any step range are
-    counted under step 0, reads inside torch's own optimizer step are left out."""
+def host_reads_per_step(events) -> Counter:
+    """{update number: host synchronisations} over ``events`` (``prof.events()``): host reads, and on CUDA
+    the stream/device/event synchronisations (one inside a host read is that read, counted once). Those
+    outside any step range are counted under step 0; those inside torch's own optimizer step are left out."""
     out: Counter = Counter()
     for ev in events:
-        if ev.name not in ops:
+        if ev.name not in READ_OPS and ev.name not in CUDA_SYNCS:
             continue
-        step, in_opt = 0, False
+        step, in_opt, in_read = 0, False, False
         for a in _ancestors(ev):
             m = _OPT_RANGE.match(a.name)
-            if m and m.group(1) in TORCH_OPTIMIZERS:
-                in_opt = True
-                break
+            in_opt = in_opt or bool(m and m.group(1) in TORCH_OPTIMIZERS)
+            in_read = in_read or a.name in READ_OPS
             if a.name.startswith(STEP_PREFIX):
                 step = int(a.name[len(STEP_PREFIX):])
                 break
-        if not in_opt:
+        if not in_opt and not (ev.name in CUDA_SYNCS and in_read):
             out[step] += 1
     return out
 
 
 def host_syncs(events) -> int:
-    """Host reads and CUDA synchronisations in ``events`` outside torch's own optimizer step, each counted
-    once (a CUDA synchronisation inside a host read is that read)."""
-    n = 0
-    for ev in events:
-        if ev.name not in READ_OPS and ev.name not in CUDA_SYNCS:
-            continue
-        outer = [a.name for a in _ancestors(ev)]
-        in_opt = any((m := _OPT_RANGE.match(a)) and m.group(1) in TORCH_OPTIMIZERS for a in outer)
-        if not in_opt and not (ev.name in CUDA_SYNCS and any(a in READ_OPS for a in outer)):
-            n += 1
-    return n
+    """All of :func:`host_reads_per_step`, step ranges or not."""
+    return sum(host_reads_per_step(events).values())
 
 
 def steps_seen(events) -> list[int]:
@@ -85,8 +79,59 @@ def steps_seen(events) -> list[int]:
 
 @contextlib.contextmanager
 def profiled():
-    """A CPU profiler around the block; yields the profile (``.events()`` after the block)."""
+    """A profiler around the block (CPU, and CUDA where there is one); yields the profile (``.events()``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
         yield prof
+
+
+class StepWatch:
+    """Per update, while active (``with StepWatch() as w: trainer.fit()``): ``w.copies`` counts the calls of
+    ``Tensor.tolist``/``Tensor.cpu`` (host tensors are read with ``.numpy()``, which a device tensor refuses),
+    ``w.sync_warnings`` the synchronising CUDA calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (on
+    CUDA). The update is the one whose loop iteration runs (the trainer's :func:`step_range`, wrapped here);
+    calls outside the loop count under 0."""
+
+    def __init__(self):
+        self.copies: Counter = Counter()
+        self.sync_warnings: Counter = Counter()
+        self._step = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "StepWatch":
+        import scaletrain.train.trainer as trainer_mod
+
+        real_range, caught = trainer_mod.step_range, None
+        if torch.cuda.is_available():
+            caught = self._stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            self._stack.callback(torch.cuda.set_sync_debug_mode, 0)
+
+        @contextlib.contextmanager
+        def watched_range(step):
+            before, self._step = len(caught or ()), step
+            try:
+                with real_range(step):
+                    yield
+            finally:
+                self.sync_warnings[step] += sum("synchroniz" in str(w.message).lower() for w in (caught or ())[before:])
+                self._step = 0
+
+        self._patch(trainer_mod, "step_range", watched_range)
+        for name in ("tolist", "cpu"):
+            def counted(t, *a, _real=getattr(torch.Tensor, name), **k):
+                self.copies[self._step] += 1
+                return _real(t, *a, **k)
+            self._patch(torch.Tensor, name, counted)
+        return self
+
+    def _patch(self, owner, name, value) -> None:
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        self._stack.callback(setattr, owner, name, old)
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()

@@ -4,16 +4,13 @@ The real trainer trains a tiny model in this process under ``torch.profiler``; e
 value (``aten::_local_scalar_dense``: ``.item()``, ``float(t)``, ``bool(t)``) is attributed to the update
 whose loop iteration ran it (``scaletrain/train/sync_count.py``), leaving out torch's own optimizer step.
 On CPU ``.tolist()`` and ``.cpu()`` of a tensor run no such operator, so they are counted too, by wrapping the
-two methods (host tensors are read with ``.numpy()``, which a device tensor refuses).
+two methods (``sync_count.StepWatch``; host tensors are read with ``.numpy()``, which a device tensor refuses).
 Outside log steps an update may do at most one (DeepSpeed's ZeRO-2 computes its global norm with one); the
 plain paths (ZeRO-0 in fp32 and in bf16 by autocast, Accelerate DDP, the Accelerate DeepSpeed plugin) do
 none. The last test plants DeepSpeed's unfused bf16 optimizer (one inf/nan read per parameter tensor) back
 and shows the count sees it.
 """
 from __future__ import annotations
-
-import contextlib
-from collections import Counter
 
 import pytest
 import torch
@@ -44,46 +41,22 @@ def fresh_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def count_tolist_and_cpu(monkeypatch) -> Counter:
-    """{update number: calls of Tensor.tolist/Tensor.cpu inside that update's loop iteration}."""
-    import scaletrain.train.trainer as trainer_mod
-
-    counts, current = Counter(), [0]
-    real_range = trainer_mod.step_range
-
-    @contextlib.contextmanager
-    def step_range(step):
-        current[0] = step
-        try:
-            with real_range(step):
-                yield
-        finally:
-            current[0] = 0
-
-    monkeypatch.setattr(trainer_mod, "step_range", step_range)
-    for name in ("tolist", "cpu"):
-        def wrapped(self, *a, _real=getattr(torch.Tensor, name), **k):
-            counts[current[0]] += 1
-            return _real(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, wrapped)
-    return counts
-
-
-def reads_per_update(shards, out, engine: str, precision: str, monkeypatch) -> tuple[dict[int, int], object]:
+def reads_per_update(shards, out, engine: str, precision: str) -> tuple[dict[int, int], object]:
     from scaletrain.train import Trainer
-    from scaletrain.train.sync_count import host_reads_per_step, profiled, steps_seen
+    from scaletrain.train.sync_count import StepWatch, host_reads_per_step, profiled, steps_seen
 
     tr = Trainer(load_config("small", [*TINY, *ENGINES[engine], f"engine.precision={precision}",
                                        f"data.shards={shards}", f"train.out_dir={out}"]))
-    copies = count_tolist_and_cpu(monkeypatch)
-    with profiled() as prof:
+    real_tolist = torch.Tensor.tolist
+    with StepWatch() as watch, profiled() as prof:
         res = tr.fit()
     tr.close()
     events = prof.events()
     reads = host_reads_per_step(events)
     assert steps_seen(events) == list(range(1, STEPS + 1)) and res.steps == STEPS
-    assert copies[LOG_EVERY] > 0  # the log step reads the values: the wrappers see it
-    return {s: reads[s] + copies[s] for s in range(1, STEPS + 1)}, tr
+    assert watch.copies[LOG_EVERY] > 0  # the log step reads the values: the wrappers see it
+    assert torch.Tensor.tolist is real_tolist  # the wrappers are gone again
+    return {s: reads[s] + watch.copies[s] for s in range(1, STEPS + 1)}, tr
 
 
 @pytest.mark.parametrize("engine,precision,allowed", [
@@ -91,8 +64,8 @@ def reads_per_update(shards, out, engine: str, precision: str, monkeypatch) -> t
     ("accelerate-deepspeed", "bf16", 0),
     ("deepspeed-zero2", "bf16", 1),  # DeepSpeed's ZeRO-1/2 norm masks inf/NaN with a 0-d tensor: one read
 ])
-def test_no_host_reads_between_log_steps(django_shards, tmp_path, monkeypatch, engine, precision, allowed):
-    reads, tr = reads_per_update(django_shards, tmp_path, engine, precision, monkeypatch)
+def test_no_host_reads_between_log_steps(django_shards, tmp_path, engine, precision, allowed):
+    reads, tr = reads_per_update(django_shards, tmp_path, engine, precision)
     between = {s: n for s, n in reads.items() if s % LOG_EVERY and s != STEPS}
     assert between and all(n <= allowed for n in between.values()), reads
     assert tr.state.nonfinite_steps == 0 and tr.logger.loss_history  # the log steps did read the values
@@ -104,7 +77,7 @@ def test_the_count_sees_a_per_parameter_check(django_shards, tmp_path, monkeypat
     import scaletrain.engine.deepspeed_engine as dse
 
     monkeypatch.setattr(dse, "runtime_ds_config", lambda ds: ds)
-    reads, tr = reads_per_update(django_shards, tmp_path, "deepspeed", "bf16", monkeypatch)
+    reads, tr = reads_per_update(django_shards, tmp_path, "deepspeed", "bf16")
     assert type(tr.engine.driver.e.optimizer).__name__ == "FP16_UnfusedOptimizer"
     n_tensors = len(list(tr.engine.module.parameters()))
     assert all(reads[s] >= n_tensors for s in (1, 2, 3)), (reads, n_tensors)
