@@ -58,6 +58,7 @@ def run_overrides(run: str) -> list[str]:
 
 def one(args) -> dict:
     """Train in this process under the profiler; the counts as a dict."""
+    import scaletrain.train.trainer as trainer_mod
     from scaletrain.config import load_config
     from scaletrain.train import Trainer
     from scaletrain.train.sync_count import StepWatch, host_reads_per_step, profiled, steps_seen
@@ -69,7 +70,7 @@ def one(args) -> dict:
             "engine.threads=1", *run_overrides(args.one), *args.override]
     tr = Trainer(load_config("small", over))
     t = time.perf_counter()
-    with StepWatch() as watch, profiled() as prof:
+    with StepWatch(trainer_mod) as watch, profiled() as prof:
         tr.fit()
     wall = time.perf_counter() - t
     tr.close()

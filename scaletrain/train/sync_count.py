@@ -88,21 +88,22 @@ def profiled():
 
 
 class StepWatch:
-    """Per update, while active (``with StepWatch() as w: trainer.fit()``): ``w.copies`` counts the calls of
+    """Per update, while active (``with StepWatch(scaletrain.train.trainer) as w: trainer.fit()``; the module
+    whose ``step_range`` the loop calls): ``w.copies`` counts the calls of
     ``Tensor.tolist``/``Tensor.cpu`` (host tensors are read with ``.numpy()``, which a device tensor refuses),
     ``w.sync_warnings`` the synchronising CUDA calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (on
     CUDA). The update is the one whose loop iteration runs (the trainer's :func:`step_range`, wrapped here);
     calls outside the loop count under 0."""
 
-    def __init__(self):
+    def __init__(self, loop_module):
+        self.loop_module = loop_module
         self.copies: Counter = Counter()
         self.sync_warnings: Counter = Counter()
         self._step = 0
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "StepWatch":
-        import scaletrain.train.trainer as trainer_mod
-
+        trainer_mod = self.loop_module
         real_range, caught = trainer_mod.step_range, None
         if torch.cuda.is_available():
             caught = self._stack.enter_context(warnings.catch_warnings(record=True))

@@ -42,13 +42,14 @@ def fresh_accelerate():
 
 
 def reads_per_update(shards, out, engine: str, precision: str) -> tuple[dict[int, int], object]:
+    import scaletrain.train.trainer as trainer_mod
     from scaletrain.train import Trainer
     from scaletrain.train.sync_count import StepWatch, host_reads_per_step, profiled, steps_seen
 
     tr = Trainer(load_config("small", [*TINY, *ENGINES[engine], f"engine.precision={precision}",
                                        f"data.shards={shards}", f"train.out_dir={out}"]))
     real_tolist = torch.Tensor.tolist
-    with StepWatch() as watch, profiled() as prof:
+    with StepWatch(trainer_mod) as watch, profiled() as prof:
         res = tr.fit()
     tr.close()
     events = prof.events()
