@@ -31,10 +31,9 @@ def _reset_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.fixture
-def fresh_accelerate():
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
     yield
-    _reset_accelerate()
     import torch._dynamo
 
     torch._dynamo.reset()

@@ -32,15 +32,6 @@ ENGINES = {
 }
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """Accelerate keeps one process-wide state (its mixed precision among it): each test starts its own."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def reads_per_update(shards, out, engine: str, precision: str) -> tuple[dict[int, int], object]:
     import scaletrain.train.trainer as trainer_mod
     from scaletrain.train import Trainer

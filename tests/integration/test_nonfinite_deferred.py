@@ -13,7 +13,7 @@ from scaletrain.checkpoint import load_model_weights
 from scaletrain.errors import ScaletrainError
 from test_nonfinite import _trainer, nan_at
 
-pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # trains in this process
+pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env", "fresh_accelerate")  # in this process
 
 
 @pytest.mark.parametrize("backend,precision", [("deepspeed", "fp32"), ("deepspeed", "bf16"), ("accelerate", "bf16")])

@@ -16,7 +16,7 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.train.oom import OomPolicy
 from test_nonfinite import TINY
 
-pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # trains in this process
+pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env", "fresh_accelerate")  # in this process
 
 
 def _trainer(shards, out, *over):
