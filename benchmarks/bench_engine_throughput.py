@@ -9,7 +9,7 @@ source and target, no padding), same optimizer (AdamW), same label-smoothed loss
 forward + loss + backward + optimizer update.
 
 Rows: HF fp32, HF bf16 (torch.autocast, fp32 weights), ours fp32 and bf16 through the DeepSpeed engine
-(bf16 = DeepSpeed's bf16 mode: bf16 weights and activations, fp32 master weights), and ours with plain
+(bf16 at ZeRO-0 = fp32 weights under torch autocast, ds_config.runtime_ds_config), and ours with plain
 autocast and no engine (to separate the model from the engine path). The bf16 rows run only where the
 CPU has native bf16 matrix units (what ``engine.precision=auto`` decides, scaletrain/engine/precision.py;
 ``--bf16 yes`` forces them: on an AVX2-only CPU a bf16 step is ~40x slower than fp32). Ratios are

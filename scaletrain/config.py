@@ -80,7 +80,13 @@ class EngineConfig:
     threads: int = 0  # CPU threads per rank; 0 = cores / local ranks
     accelerate: str = "ddp"  # with backend=accelerate: ddp (plain DDP) | deepspeed (DeepSpeed plugin, ds_config)
     activation_checkpointing: bool = False  # recompute each encoder/decoder layer in backward
-    compile: bool = False  # torch.compile the model before the engine wraps it
+    # torch.compile the model before the engine wraps it (in place: parameter names unchanged): true | false |
+    # auto (on where the model trains on CUDA, off on CPU, where compiling takes longer than it saves)
+    compile: bool | str = "auto"
+    # torch.compile mode: default | reduce-overhead (CUDA graphs: one capture per batch shape) | max-autotune |
+    # max-autotune-no-cudagraphs; recompiles and graph captures are logged (compile/* metrics)
+    compile_mode: str = "default"
+    compile_backend: str = "inductor"  # torch.compile backend (inductor; aot_eager: no code generation, CPU tests)
     # fp16 with Accelerate: stop with one line when the GradScaler's scale falls below this after an overflow
     # (DeepSpeed stops at its ds_config fp16.min_loss_scale itself, with the same line)
     fp16_min_loss_scale: float = 1.0
@@ -114,6 +120,10 @@ class TrainConfig:
     # OUT/nonfinite/; skip = train on (stop after max_nonfinite such updates in a row) | stop = stop at the first
     nonfinite: str = "skip"
     max_nonfinite: int = 5
+    # a batch that runs out of device memory in its forward/backward: stop = fail with one line naming the batch
+    # shape and data.max_tokens (the last checkpoint stays) | skip = withhold that update, count it (oom_steps) and
+    # train on (a single process only, as fairseq)
+    on_oom: str = "stop"
     bleu_every: int = 0  # BLEU/chrF on eval.valid_lines per direction every N steps (0 = off)
     best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
     best_mode: str = "max"  # max | min
@@ -440,6 +450,19 @@ def _validate_batch_shape(cfg: Config, bad) -> None:
         bad("data.max_tokens", problem)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _validate_step(cfg: Config, bad) -> None:
+    """The training step's keys: compilation, out-of-memory policy."""
+    if cfg.engine.compile not in (True, False, "auto"):
+        bad("engine.compile", f"must be true, false or auto, got {cfg.engine.compile!r}")
+    if cfg.engine.compile_mode not in COMPILE_MODES:
+        bad("engine.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {cfg.engine.compile_mode!r}")
+    if cfg.train.on_oom not in ("stop", "skip"):
+        bad("train.on_oom", f"must be stop or skip, got {cfg.train.on_oom!r}")
+
+
 def validate(cfg: Config) -> None:
     def bad(key, msg):
         raise ScaletrainError(f"config key '{key}': {msg}")
@@ -454,6 +477,7 @@ def validate(cfg: Config) -> None:
         bad("engine.accelerate", f"must be ddp or deepspeed, got {cfg.engine.accelerate!r}")
     if cfg.engine.threads < 0:
         bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
+    _validate_step(cfg, bad)
     cfg.model.validate()  # the model rules (scaletrain.models.config)
     cfg.moe.validate(cfg.model)
     if cfg.data.max_bytes + 2 > cfg.model.max_positions:

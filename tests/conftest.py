@@ -52,3 +52,14 @@ def isolated_env():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate keeps one process-wide state (mixed precision, the DeepSpeed plugin) that a second Accelerator
+    with other settings refuses: a test training through Accelerate in this process starts and ends without it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -28,8 +28,10 @@ import torch
 
 from scaletrain.engine.base import Engine, StepInfo, min_loss_scale_error
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
+from scaletrain.engine.device_skip import can_skip_on_device, clip_, grad_norm, nonfinite_flag, rewind_schedule, withheld_if
+from scaletrain.engine.ds_config import runtime_ds_config
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
-from scaletrain.engine.model_prep import prepare_model
+from scaletrain.engine.model_prep import cudagraph_step_begin, prepare_model, uses_cudagraphs
 from scaletrain.engine.optim import build_optimizer, build_scheduler, own_grad_norm
 from scaletrain.engine.preflight import preflight
 from scaletrain.errors import ScaletrainError
@@ -41,6 +43,8 @@ MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 class AccelerateEngine(Engine):
+    _force_skip = False  # abandon_step: the next update is withheld
+    _cudagraphs = False  # engine.compile_mode=reduce-overhead on CUDA
     def __init__(self, cfg):
         self.cfg = cfg
         self.mode = cfg.engine.accelerate
@@ -66,6 +70,8 @@ class AccelerateEngine(Engine):
         expected = int(os.environ.get("WORLD_SIZE", "1"))
         configure_threads(cfg)  # first: the precision probe runs on the rank's threads
         self.ds_config = preflight(cfg, expected)
+        if self.ds_config is not None:  # bf16 at ZeRO-0 as torch autocast (ds_config.runtime_ds_config)
+            self.ds_config = runtime_ds_config(self.ds_config)
         for noisy in ("DeepSpeed", "accelerate", "accelerate.checkpointing", "accelerate.accelerator"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         from accelerate import Accelerator
@@ -106,6 +112,7 @@ class AccelerateEngine(Engine):
     # ------------------------------------------------------------------------------
     def setup(self, model):
         model = prepare_model(model, self.cfg)
+        self._cudagraphs = uses_cudagraphs(self.cfg)
         self.ep = ExpertParallelGrads(model)
         experts = self.ep.snapshot() if self.ep.active else None
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
@@ -120,7 +127,7 @@ class AccelerateEngine(Engine):
                 self.ep.restore(experts)
             # Accelerate hands DeepSpeed only its own scheduler types: ours is stepped by the driver
             self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, scheduler=self.scheduler,
-                                       clip_norm=float(self.cfg.optim.clip_norm))
+                                       clip_norm=float(self.cfg.optim.clip_norm), cudagraphs=self._cudagraphs)
             self.device = self._ds.device
 
     @property
@@ -144,6 +151,8 @@ class AccelerateEngine(Engine):
                 raise RuntimeError("AccelerateEngine.forward called twice without backward")
             self._ctx = contextlib.ExitStack()
             self._ctx.enter_context(self.acc.accumulate(self.model))
+        if self._ds is None:
+            cudagraph_step_begin(self._cudagraphs and self.model.training)
         return self.model(src, tgt_in)
 
     def backward(self, loss):
@@ -157,6 +166,20 @@ class AccelerateEngine(Engine):
             if ctx is not None:
                 ctx.close()
 
+    def abandon_step(self, failed: int) -> None:
+        """Micro-batch ``failed`` raised (``Engine.abandon_step``): the accumulation context its forward entered
+        is left, the missing micro-steps are counted, and the update at the boundary is withheld."""
+        if self._ds is not None:
+            self._ds.abandon_step(failed)
+            return
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.close()
+        for _ in range(self.cfg.engine.grad_accum - 1 - failed):
+            with self.acc.accumulate(self.model):
+                pass
+        self._force_skip = True
+
     def step(self) -> StepInfo:
         clip = float(self.cfg.optim.clip_norm)
         if self._ds is not None:
@@ -166,17 +189,23 @@ class AccelerateEngine(Engine):
                 f"step() before the accumulation boundary: call forward/backward engine.grad_accum="
                 f"{self.cfg.engine.grad_accum} times per step"
             )
+        forced, self._force_skip = self._force_skip, False
+        if forced:
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepInfo(grad_norm=float("nan"), lr=self.lr, skipped=True, nonfinite=False)
+        if self.acc.scaler is None and not self.ep.active and can_skip_on_device(self.optimizer.optimizer):
+            return self._device_step(clip)
         if self.ep.active:
             self.acc.unscale_gradients()  # fp16: the reduction and the norm see true gradients
             self.ep.reduce(dense=False)  # DDP averaged the dense gradients
             norm = self.ep.clip(clip)
         elif clip > 0:
-            norm = float(self.acc.clip_grad_norm_(self.model.parameters(), clip))
+            norm = self.acc.clip_grad_norm_(self.model.parameters(), clip)  # a device tensor: read on log steps
         else:
             self.acc.unscale_gradients()
             norm = own_grad_norm(self.model.parameters())
         scaler = self.acc.scaler  # fp16: the GradScaler skips overflowing updates and lowers its scale
-        if scaler is None and not math.isfinite(norm):  # the reduced gradient: the same on every rank
+        if scaler is None and not math.isfinite(float(norm)):  # the reduced gradient: the same on every rank
             self.optimizer.zero_grad(set_to_none=True)
             return StepInfo(grad_norm=norm, lr=self.lr, skipped=True, nonfinite=True)
         self.optimizer.step()
@@ -187,6 +216,20 @@ class AccelerateEngine(Engine):
         if scaler is not None and skipped and scaler.get_scale() < self.cfg.engine.fp16_min_loss_scale:
             raise min_loss_scale_error(scaler.get_scale())  # GradScaler itself has no minimum
         return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
+
+    def _device_step(self, clip: float) -> StepInfo:
+        """fp32 and bf16 (autocast) DDP: the gradient (reduced by DDP, the same on every rank) is measured,
+        clipped and, where non-finite, withheld by the fused AdamW on the device (``device_skip``); the LR
+        schedule steps and is put back when the flag is read."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = grad_norm(params)
+        clip_(params, clip, norm)
+        flag = nonfinite_flag(norm)
+        with withheld_if(self.optimizer.optimizer, flag):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepInfo(grad_norm=norm, lr=self.lr, flag=flag, on_skip=lambda: rewind_schedule(self.scheduler))
 
     @property
     def lr(self) -> float:

@@ -6,8 +6,8 @@ steps the optimizer: the loop calls ``forward``/``backward``/``step``, validatio
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,12 +19,104 @@ from scaletrain.parallel import ParallelContext, build_parallel_context, model_p
 from scaletrain.parallel.lockstep import LockstepDecoder
 
 
-@dataclass
 class StepInfo:
-    grad_norm: float
-    lr: float
-    skipped: bool = False  # the update was skipped (fp16 overflow, or a non-finite gradient)
-    nonfinite: bool = False  # skipped because the gradient was NaN/inf outside fp16 loss scaling (train.nonfinite)
+    """What an update reports: the gradient norm, the learning rate after it, whether it was skipped.
+
+    The values may still be on the device (a *pending* update: ``grad_norm`` a tensor, ``flag`` a device
+    tensor that is 1 where the update was withheld for a non-finite gradient). Reading ``grad_norm``,
+    ``lr``, ``skipped`` or ``nonfinite`` reads them to the host once (``resolve``); the training loop does
+    that on log, validation and save steps only, for all pending updates in one read (``resolve_all``),
+    so the steps in between never wait for the device. ``on_skip`` (a pending update whose flag turns out
+    1) is called once at that read: the engine puts its LR schedule back by one update and returns the
+    learning rate now.
+
+    ``skipped``: the update was not applied (an fp16 overflow, or a non-finite gradient); ``nonfinite``:
+    skipped because the gradient was NaN/inf outside fp16 loss scaling (``train.nonfinite``). Given as
+    None, ``nonfinite`` is ``skipped and the norm is not finite``.
+    """
+
+    __slots__ = ("_norm", "_lr", "_skipped", "_nonfinite", "_flag", "_on_skip")
+
+    def __init__(self, grad_norm, lr: float, skipped: bool = False, nonfinite: bool | None = False, *,
+                 flag: torch.Tensor | None = None, on_skip: Callable[[], float] | None = None):
+        self._norm, self._lr, self._skipped, self._nonfinite = grad_norm, lr, skipped, nonfinite
+        self._flag, self._on_skip = flag, on_skip
+
+    @property
+    def pending(self) -> bool:
+        """Values still on the device (reading any of them costs one host read)."""
+        return torch.is_tensor(self._norm) or self._flag is not None
+
+    def _device_values(self) -> list[torch.Tensor]:
+        out = []
+        if torch.is_tensor(self._norm):
+            out.append(self._norm.detach().reshape(-1)[:1].double())
+        if self._flag is not None:
+            out.append(self._flag.detach().reshape(-1)[:1].double())
+        return out
+
+    def _settle(self, values: list[float]) -> None:
+        it = iter(values)
+        if torch.is_tensor(self._norm):
+            self._norm = next(it)
+        if self._flag is not None:
+            flag, self._flag = next(it), None
+            if flag:
+                self._skipped = self._nonfinite = True
+                if self._on_skip is not None:
+                    self._lr = self._on_skip()
+        self._on_skip = None
+        if self._nonfinite is None:
+            self._nonfinite = bool(self._skipped) and not math.isfinite(self._norm)
+
+    def resolve(self) -> "StepInfo":
+        StepInfo.resolve_all([self])
+        return self
+
+    @staticmethod
+    def resolve_all(infos) -> None:
+        """Read the device values of every pending ``info`` in one host read, in order (each skipped one
+        puts the LR schedule back once)."""
+        pending = [i for i in infos if i.pending]
+        parts = [i._device_values() for i in pending]
+        tensors = [t for p in parts for t in p]
+        flat = torch.cat([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else []
+        pos = 0
+        for info, p in zip(pending, parts):
+            info._settle(flat[pos:pos + len(p)])
+            pos += len(p)
+        for info in infos:
+            if info._nonfinite is None:
+                info._settle([])
+
+    @property
+    def grad_norm(self) -> float:
+        if torch.is_tensor(self._norm):
+            self.resolve()
+        return float(self._norm)
+
+    @property
+    def lr(self) -> float:
+        if self._flag is not None:  # a skip puts the schedule back: the value depends on the flag
+            self.resolve()
+        return float(self._lr)
+
+    @property
+    def skipped(self) -> bool:
+        if self.pending or self._nonfinite is None:
+            self.resolve()
+        return bool(self._skipped)
+
+    @property
+    def nonfinite(self) -> bool:
+        if self.pending or self._nonfinite is None:
+            self.resolve()
+        return bool(self._nonfinite)
+
+    def __repr__(self) -> str:
+        if self.pending:
+            return f"StepInfo(pending, lr={self._lr})"
+        return f"StepInfo(grad_norm={self._norm}, lr={self._lr}, skipped={self._skipped}, nonfinite={self._nonfinite})"
 
 
 def min_loss_scale_error(scale: float) -> ScaletrainError:
@@ -78,6 +170,13 @@ class Engine(ABC):
     @abstractmethod
     def step(self) -> StepInfo:
         """Clip, update, advance the LR schedule (after grad_accum micro-batches)."""
+
+    def abandon_step(self, failed: int) -> None:
+        """Micro-batch ``failed`` (0-based) of this step raised (out of memory, ``train.on_oom=skip``) and the
+        step's later micro-batches will not run: realign the accumulation counters so that the next
+        ``step()`` is the update, and make that update change nothing (parameters, optimizer state, LR
+        schedule); the gradients are dropped."""
+        raise NotImplementedError(f"{type(self).__name__} cannot abandon a step")
 
     @property
     @abstractmethod
@@ -134,11 +233,22 @@ class Engine(ABC):
 
     # ---- collectives (gloo on CPU, nccl on GPU) -----------------------------------
     def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sums over the ranks of a few host numbers (collective). Host tensors on a gloo group: under NCCL a
+        side group of gloo (:meth:`host_group`), so the training step's token count and votes never wait
+        for the GPU."""
         t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
-            t = t.to(self.comm_device)
-            dist.all_reduce(t)
-        return [float(x) for x in t.cpu()]
+            dist.all_reduce(t, group=self.host_group())
+        return t.numpy().tolist()  # a host tensor (numpy() refuses a device one)
+
+    def host_group(self):
+        """A process group for host (CPU) tensors: the default group where it is gloo, else a gloo group of
+        every rank, made on first use (collective: every rank calls this at the same point)."""
+        group = self.__dict__.get("_host_group", False)
+        if group is False:
+            group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self.__dict__["_host_group"] = group
+        return group
 
     def broadcast_object(self, obj: Any) -> Any:
         if self.world_size == 1:
@@ -150,7 +260,3 @@ class Engine(ABC):
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
-
-    @property
-    def comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")

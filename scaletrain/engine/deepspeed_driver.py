@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 
 from scaletrain.engine.base import StepInfo, min_loss_scale_error
+from scaletrain.engine.device_skip import (can_skip_on_device, clip_, grad_norm, nonfinite_flag, rewind_schedule,
+                                           withheld_if)
+from scaletrain.engine.model_prep import cudagraph_step_begin
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -120,8 +123,9 @@ class DeepSpeedDriver:
     over the EDP group instead of summing them over the EP group).
     """
 
-    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0):
+    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0, cudagraphs: bool = False):
         self.e = ds_engine
+        self.cudagraphs = cudagraphs  # engine.compile_mode=reduce-overhead on CUDA (model_prep.uses_cudagraphs)
         self.scheduler = scheduler
         self.ep = ExpertParallelGrads(ds_engine.module)
         self.clip_norm = clip_norm
@@ -137,10 +141,19 @@ class DeepSpeedDriver:
                                       "scaletrain.engine.deepspeed_driver.expert_setup)")
         if self.own_ep:
             ds_engine.enable_backward_allreduce = False
-        # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the
-        # plain fp32 path it clips but discards the norm, so we measure it ourselves there.
+        # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the plain path
+        # (fp32, or bf16 by torch autocast: ZeRO-0) we measure, clip and withhold a non-finite update on the
+        # device ourselves (``device_skip``; DeepSpeed's own clipping there is per tensor and is switched off).
         e = ds_engine
         self.own_norm = not (e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization())
+        self.device_skip = self.own_norm and not self.own_ep and can_skip_on_device(e.optimizer)
+        if self.device_skip:
+            e._config.gradient_clipping = 0.0
+        self._zero_hook = None
+        self._zero_flag: torch.Tensor | None = None
+        if e.zero_optimization() and not e.fp16_enabled():
+            self._install_zero_hook()
+        self._force_skip = False
 
     @property
     def module(self) -> torch.nn.Module:
@@ -159,6 +172,7 @@ class DeepSpeedDriver:
         self.e.train(mode)
 
     def forward(self, src, tgt_in):
+        cudagraph_step_begin(self.cudagraphs and self.e.module.training)
         return self.e(src, tgt_in)
 
     def backward(self, loss) -> None:
@@ -169,18 +183,60 @@ class DeepSpeedDriver:
     def _skipped(self) -> int:
         return int(getattr(self.e, "skipped_steps", 0) or 0)
 
+    def _install_zero_hook(self) -> None:
+        """ZeRO 1-3 (fp32/bf16) step our AdamW on their fp32 partitions after computing the global norm
+        (all ranks agree on it). A pre-step hook on that optimizer turns the norm into the ``found_inf`` flag,
+        so a non-finite update is withheld on the device; ZeRO-1/2 (``DeepSpeedZeroOptimizer``) also leave
+        the clipping to the hook (theirs asks the host whether the norm is valid first). DeepSpeed's own
+        overflow check stays where DeepSpeed runs it (ZeRO-3, fp32 ZeRO-1/2: one host read per update);
+        the bf16 one of ZeRO-1/2 is off in the configs we generate (``ds_config``)."""
+        zopt, inner = self.e.optimizer, getattr(self.e.optimizer, "optimizer", None)
+        if inner is None or not can_skip_on_device(inner) or not hasattr(zopt, "_global_grad_norm"):
+            return
+        clip = 0.0
+        if type(zopt).__name__ == "DeepSpeedZeroOptimizer" and getattr(zopt, "clip_grad", 0.0) > 0:
+            clip, zopt.clip_grad = float(zopt.clip_grad), 0.0
+
+        def pre_step(opt, args, kwargs):
+            norm = getattr(zopt, "_global_grad_norm", None)
+            if not torch.is_tensor(norm):
+                return None
+            params = [p for g in opt.param_groups for p in g["params"]]
+            clip_(params, clip, norm.to(params[0].device) if params else norm)
+            self._zero_flag = nonfinite_flag(norm)
+            opt.found_inf = self._zero_flag.to(params[0].device) if params else self._zero_flag
+            return None
+
+        def post_step(opt, args, kwargs):
+            opt.__dict__.pop("found_inf", None)
+
+        self._zero_hook = (inner.register_step_pre_hook(pre_step), inner.register_step_post_hook(post_step))
+
+    def abandon_step(self, failed: int) -> None:
+        """Micro-batch ``failed`` raised (``Engine.abandon_step``): DeepSpeed counts micro-steps in ``step()``
+        (``backward`` above), so the missing ones are counted, and the update at the boundary is withheld."""
+        for _ in range(self.e.gradient_accumulation_steps() - 1 - failed):
+            self.e.step()  # before the boundary: counters only
+        self._force_skip = True
+
     def step(self) -> StepInfo:
-        """The update. A non-finite gradient is never applied: ZeRO 1-3 and fp16 skip it themselves (their
-        global norm check); on the plain path (fp32, no ZeRO) our own norm of the all-reduced gradient,
-        identical on every rank, decides and the optimizer's step is withheld for this update."""
+        """The update. A non-finite gradient is never applied: on the plain path (fp32, bf16 by autocast;
+        ZeRO-0) and in ZeRO 1-3 the fused AdamW withholds it on the device (``device_skip``: the flag is
+        read with the step's other values on the next log step); fp16 and ZeRO-3 (and fp32 ZeRO-1/2) skip
+        it themselves (their global norm check, a host read); without a fused optimizer our own norm of
+        the all-reduced gradient, identical on every rank, is read here and the optimizer's step withheld."""
         before = self._skipped()
+        forced, self._force_skip = self._force_skip, False
+        self._zero_flag = None
+        if self.device_skip and not forced:
+            return self._device_step()
         if self.own_ep:
             self.ep.reduce(dense=True)
             own = self.ep.clip(self.clip_norm)
         else:
             own = own_grad_norm(self.e.module.parameters()) if self.own_norm else None
         try:
-            if own is not None and not math.isfinite(own):
+            if forced or own is not None and not math.isfinite(own):
                 self._skip_update()
             else:
                 self.e.step()
@@ -189,12 +245,32 @@ class DeepSpeedDriver:
                 raise min_loss_scale_error(float(getattr(self.e.optimizer, "cur_scale", 0.0) or 0.0)) from None
             raise
         norm = own if own is not None else self.e.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        if norm is None:
+            norm = float("nan")
         skipped = self._skipped() > before
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
-        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped,
-                        nonfinite=skipped and not self.e.fp16_enabled() and not math.isfinite(norm))
+        flag = self._zero_flag if not skipped else None  # ZeRO: withheld on the device (read later)
+        fp16 = self.e.fp16_enabled()
+        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped, nonfinite=False if fp16 or forced else None,
+                        flag=flag, on_skip=self._rewind if flag is not None else None)
+
+    def _device_step(self) -> StepInfo:
+        """fp32/autocast ZeRO-0: norm, clip and the non-finite flag stay on the device; DeepSpeed steps (and
+        advances the LR schedule) as usual, the fused AdamW withholding the update where the flag is 1."""
+        params = [p for p in self.e.module.parameters() if p.grad is not None]
+        norm = grad_norm(params)
+        clip_(params, self.clip_norm, norm)
+        flag = nonfinite_flag(norm)
+        with withheld_if(self.e.optimizer, flag):
+            self.e.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return StepInfo(grad_norm=norm, lr=self.lr, flag=flag, on_skip=self._rewind)
+
+    def _rewind(self) -> float:
+        """A withheld update read on the host: the LR schedule goes back by the step it took."""
+        return rewind_schedule(self.scheduler if self.scheduler is not None else self.e.lr_scheduler)
 
     def _skip_update(self) -> None:
         """``e.step()`` without the optimizer's update: DeepSpeed still zeroes the gradients and advances its

@@ -9,8 +9,9 @@ import torch
 
 from scaletrain.engine.base import Engine, StepInfo
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver, expert_setup
+from scaletrain.engine.ds_config import runtime_ds_config
 from scaletrain.engine.env import collective_timeout, configure_threads, ensure_dist_env, init_deepspeed_distributed
-from scaletrain.engine.model_prep import prepare_model
+from scaletrain.engine.model_prep import prepare_model, uses_cudagraphs
 from scaletrain.engine.optim import build_optimizer, build_scheduler
 from scaletrain.engine.preflight import preflight
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -21,7 +22,8 @@ class DeepSpeedEngine(Engine):
         self.cfg = cfg
         ensure_dist_env()
         configure_threads(cfg)  # first: the precision probe runs on the rank's threads
-        self.ds_config = preflight(cfg, int(os.environ["WORLD_SIZE"]))  # before any process group
+        # before any process group; bf16 at ZeRO-0 as torch autocast (ds_config.runtime_ds_config)
+        self.ds_config = runtime_ds_config(preflight(cfg, int(os.environ["WORLD_SIZE"])))
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         import deepspeed
         from deepspeed.accelerator import get_accelerator
@@ -53,7 +55,8 @@ class DeepSpeedEngine(Engine):
             )
         if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
             ep.restore(experts)
-        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm))
+        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm),
+                                      cudagraphs=uses_cudagraphs(self.cfg))
         self.device = self.driver.device
 
     @property
@@ -75,6 +78,9 @@ class DeepSpeedEngine(Engine):
 
     def step(self) -> StepInfo:
         return self.driver.step()
+
+    def abandon_step(self, failed: int) -> None:
+        self.driver.abandon_step(failed)
 
     @property
     def lr(self) -> float:

@@ -95,6 +95,7 @@ def load_ds_config(cfg, world_size: int) -> dict:
         ds["zero_force_ds_cpu_optimizer"] = False
     ds.setdefault("steps_per_print", 10**9)  # our loop prints its own log lines
     ds.setdefault("wall_clock_breakdown", False)
+    _sync_free(ds, path, stage, prec)
     return ds
 
 
@@ -113,6 +114,52 @@ def _expert_parallel_refusal(stage: int, prec: str) -> str:
                 "master weights are copied while every rank still holds rank 0's broadcast experts, so the first "
                 "update would overwrite each rank's experts with rank 0's")
     return "fp16's loss-scaled ZeRO-1/2 optimizers are untested with experts here"
+
+
+def _sync_free(ds: dict, path: Path, stage: int, prec: str) -> None:
+    """Settings that keep DeepSpeed from waiting for the device in every step (docs/gpu_step.md); a value the
+    user set is kept.
+
+    * ``timers.throughput.enabled: false``: DeepSpeed's throughput timer synchronises the device at every
+      forward and step (``synchronized: true``); our step logger measures throughput itself.
+    * bf16 at ZeRO-1/2: ``bf16.check_grad_overflow: false``: the engine withholds a non-finite update on the
+      device from the global norm DeepSpeed computes anyway (``deepspeed_driver``), instead of DeepSpeed's
+      per-gradient host check.
+    * bf16 at ZeRO-0 runs by torch autocast (:func:`runtime_ds_config`); a ``torch_autocast`` section is
+      scaletrain's then.
+    """
+    timers = ds.setdefault("timers", {})
+    if not isinstance(timers, dict) or not isinstance(timers.setdefault("throughput", {}), dict):
+        raise ScaletrainError(f"{path}: 'timers' must be an object like {{\"throughput\": {{\"enabled\": false}}}}")
+    timers["throughput"].setdefault("enabled", False)
+    autocast = ds.get("torch_autocast")
+    if autocast is not None and not isinstance(autocast, dict):
+        raise ScaletrainError(f"{path}: 'torch_autocast' must be an object")
+    if autocast and autocast.get("enabled") not in (None, "auto", prec == "bf16" and stage == 0):
+        raise ScaletrainError(
+            f"{path}: 'torch_autocast.enabled' is {autocast['enabled']!r}; scaletrain turns it on for "
+            "engine.precision=bf16 at ZeRO-0 (fp32 weights, bf16 autocast) and off otherwise; remove the key")
+    if prec == "bf16" and stage in (1, 2):
+        ds["bf16"].setdefault("check_grad_overflow", False)
+
+
+def runtime_ds_config(ds: dict) -> dict:
+    """The config handed to DeepSpeed: ``ds`` (``load_ds_config``), with bf16 at ZeRO-0 as torch autocast.
+
+    DeepSpeed's bf16 at ZeRO-0 wraps our AdamW in its unfused fp16/bf16 optimizer: a host read per parameter
+    tensor per step for its inf/nan check, a per-parameter weight norm, fp32 copies of every gradient and
+    weight. With ``torch_autocast`` instead the weights stay fp32, the forward runs under
+    ``torch.autocast(bfloat16)`` (matmuls in bf16, reductions in fp32), our fused AdamW updates the weights
+    and the non-finite check is on the device (``device_skip``). Measured in docs/gpu_step.md.
+    """
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    out = json.loads(json.dumps(ds))
+    if stage == 0 and (out.get("bf16") or {}).get("enabled") is True:
+        out["bf16"]["enabled"] = False
+        out["torch_autocast"] = {**(out.get("torch_autocast") or {}), "enabled": True, "dtype": "bfloat16"}
+    elif out.get("torch_autocast"):
+        out["torch_autocast"]["enabled"] = False
+    return out
 
 
 def _check_expert_parallel(cfg, path: Path, stage: int, prec: str) -> None:

@@ -2,8 +2,10 @@
 
 * :class:`StepLogger` - train loss/nll, LR, grad norm, throughput (target tokens/s, source+target tokens/s,
   bytes/s for the byte tokenizer), MFU (:mod:`scaletrain.train.mfu`), fp16 loss scale, MoE auxiliary
-  loss, data-loader wait per step, peak memory (CUDA max allocated, or the process's peak RSS), ETA and
-  routing statistics every ``train.log_every`` updates (one log line on rank 0, metrics to the tracker).
+  loss, data-loader wait per step, peak memory (CUDA max allocated, or the process's peak RSS), ETA,
+  routing statistics and (``engine.compile``) recompiles and CUDA graphs (:mod:`scaletrain.train.compile_stats`)
+  every ``train.log_every`` updates (one log line on rank 0, metrics to the tracker). Between log lines
+  it only adds on the device: no host synchronisation.
 * :class:`ProgressDisplay` - rank 0 at a terminal: one live line (step / max_steps, loss, tokens/s, ETA
   within the wall-clock budget); the log lines print above it.
 * :class:`Evaluator` - validation loss every ``train.valid_every`` updates and BLEU/chrF on the fixed
@@ -25,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from scaletrain.data.sources import fetch_options
 from scaletrain.data.stream import ShardStream
+from scaletrain.train.compile_stats import compile_metrics
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.unit import StepOutput, TranslationUnit, validation_loss
 
@@ -97,34 +102,37 @@ class StepLogger:
     """Accumulates each update's sums and reports every ``log_every`` updates (and at ``max_steps``)."""
 
     def __init__(self, tc, engine, unit: TranslationUnit, state: TrainState, clock: TrainClock, budget: TimeBudget,
-                 tracker, byte_level: bool = False, mfu=None):
+                 tracker, byte_level: bool = False, mfu=None, compiled: bool = False):
         self.tc, self.engine, self.unit, self.state = tc, engine, unit, state
+        self.compiled = compiled  # engine.compile on: compile/* metrics (recompiles, CUDA graphs)
         self.mfu = mfu  # MfuEstimator or None
         self.progress = ProgressDisplay(False, tc.max_steps, 0)  # the trainer sets the real one in fit()
         self.byte_level = byte_level  # tokens are bytes: bytes/s = (source + target tokens)/s
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
         self.last_routing: dict[str, float] = {}
+        self.last_metrics: dict[str, float] = {}  # the last report's metrics (every rank)
         self.start()
 
     def start(self) -> None:
-        self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = self._src = self._steps = self._examples = 0
+        self._sums = None  # this rank's [loss, nll, target tokens] of the interval, summed on the device
+        self._outs: list[StepOutput] = []  # the interval's updates (skip counts, read at the report)
+        self._tok = self._src = self._steps = self._examples = 0
         self._wait = 0.0
         self._t_log = time.time()
         self._steps_at_start = self.state.step
 
     def after_step(self, out: StepOutput, data_wait: float = 0.0) -> None:
-        """``data_wait``: seconds this step waited for its batches (the data loader)."""
+        """``data_wait``: seconds this step waited for its batches (the data loader). No host read here: the
+        loss sums are added on the device (float64, step order) and read at the report."""
         self._wait += data_wait
         self._steps += 1
         self._src += out.global_src_tokens
-        self._loss += out.loss_sum
-        self._nll += out.nll_sum
-        self._ntok += out.ntok
+        sums = out.sums if torch.is_tensor(out.sums) else torch.tensor(out.sums, dtype=torch.float64)
+        self._sums = sums if self._sums is None else self._sums + sums.to(self._sums.device)
         self._examples += out.examples
         self._tok += out.global_tokens
-        self._skipped += int(out.info.skipped and not out.info.nonfinite)
+        self._outs.append(out)
         self.progress.step()
         st = self.state
         if st.step % self.tc.log_every == 0 or st.step == self.tc.max_steps:
@@ -137,8 +145,9 @@ class StepLogger:
     def _report(self, out: StepOutput) -> None:
         eng, st, info = self.engine, self.state, out.info
         aux_sum, aux_n = self.unit.aux_loss(reset=True)
-        l, nl, nt, ex, aux_sum, aux_n = eng.all_reduce_sum([self._loss, self._nll, self._ntok, self._examples,
-                                                            aux_sum, aux_n])
+        loss, nll, ntok = self._sums.tolist() if self._sums is not None else (0.0, 0.0, 0.0)
+        skipped = sum(int(o.info.skipped and not o.info.nonfinite and not o.oom) for o in self._outs)
+        l, nl, nt, ex, aux_sum, aux_n = eng.all_reduce_sum([loss, nll, ntok, self._examples, aux_sum, aux_n])
         elapsed = max(time.time() - self._t_log, 1e-9)
         tps = self._tok / elapsed
         metrics = {
@@ -146,13 +155,15 @@ class StepLogger:
             "train/grad_norm": info.grad_norm, "train/tokens_per_s": tps,
             "train/src_tgt_tokens_per_s": (self._tok + self._src) / elapsed,
             "train/tokens_seen": st.tokens_seen, "train/skipped_steps": float(st.skipped_steps),
-            "train/nonfinite_steps": float(st.nonfinite_steps),
+            "train/nonfinite_steps": float(st.nonfinite_steps), "train/oom_steps": float(st.oom_steps),
             "train/data_wait_s": self._wait / max(self._steps, 1),  # per step, this rank
             "train/data_wait_frac": self._wait / elapsed,
             **peak_memory(eng.device),
         }
         if self.byte_level:
             metrics["train/bytes_per_s"] = metrics["train/src_tgt_tokens_per_s"]
+        if self.compiled:
+            metrics.update(compile_metrics())
         if self.mfu is not None and ex > 0:  # mean sentence-pair lengths of the interval, all ranks
             metrics.update(self.mfu.metrics(tps, self._src / ex, self._tok / ex))
         scale = eng.loss_scale() if eng.is_main else None
@@ -161,9 +172,9 @@ class StepLogger:
         if aux_n:
             metrics["train/moe_aux_loss"] = aux_sum / aux_n
         self.loss_history.append((st.step, metrics["train/loss"]))
+        self.last_metrics = metrics
         if eng.is_main:
-            skipped = (f" | skipped {self._skipped} (fp16 overflow; {st.skipped_steps} in all)"
-                       if self._skipped else "")
+            skipped = (f" | skipped {skipped} (fp16 overflow; {st.skipped_steps} in all)" if skipped else "")
             mfu = f" | mfu {100 * metrics['train/mfu']:.1f}%" if "train/mfu" in metrics else ""
             log.info("step %6d | loss %.4f | nll %.4f | lr %.3e | gnorm %.3f | %8.0f tgt tok/s%s | eta %s%s",
                      st.step, metrics["train/loss"], metrics["train/nll"], info.lr, info.grad_norm, tps, mfu,
@@ -174,8 +185,8 @@ class StepLogger:
         self.last_routing = routing
         if eng.is_main and routing:
             self.tracker.log_metrics(routing, step=st.step)
-        self._loss = self._nll = 0.0
-        self._ntok = self._tok = self._skipped = self._src = self._steps = self._examples = 0
+        self._sums, self._outs = None, []
+        self._tok = self._src = self._steps = self._examples = 0
         self._wait = 0.0
         self._t_log = time.time()
 

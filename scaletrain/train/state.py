@@ -5,7 +5,8 @@ so ``train.max_minutes`` is a budget for the whole job, not for each resume, and
 ``train.save_every_minutes`` counts the same clock: ``last_save_seconds`` (its value at the last
 checkpoint) is saved too, so a job resumed after 25 of its 30 minutes saves 5 minutes later.
 ``nonfinite_steps``/``nonfinite_run`` count updates skipped for a non-finite gradient (all of them,
-and the current consecutive run; ``train.nonfinite``).
+and the current consecutive run; ``train.nonfinite``); ``oom_steps`` those withheld because a batch ran
+out of device memory (``train.on_oom=skip``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class TrainState:
     last_save_seconds: float = 0.0  # train_seconds when the last checkpoint was written
     nonfinite_steps: int = 0  # updates skipped for a non-finite loss/gradient (train.nonfinite=skip)
     nonfinite_run: int = 0  # ... of them in a row up to the last update (train.max_nonfinite)
+    oom_steps: int = 0  # updates withheld because a batch ran out of device memory (train.on_oom=skip)
     valid_history: list[tuple[int, float]] = field(default_factory=list)  # (step, valid nll)
     best: dict | None = None  # the best-checkpoint tracker's state (metric, best value/step, patience count)
     run_id: str | None = None  # the MLflow run of the job
@@ -33,7 +35,7 @@ class TrainState:
             "step": self.step, "tokens_seen": self.tokens_seen, "examples_seen": self.examples_seen,
             "skipped_steps": self.skipped_steps, "train_seconds": self.train_seconds,
             "last_save_seconds": self.last_save_seconds, "nonfinite_steps": self.nonfinite_steps,
-            "nonfinite_run": self.nonfinite_run,
+            "nonfinite_run": self.nonfinite_run, "oom_steps": self.oom_steps,
             "valid_history": [list(v) for v in self.valid_history], "best": self.best, "run_id": self.run_id,
         }
 
@@ -46,6 +48,7 @@ class TrainState:
         self.last_save_seconds = float(st.get("last_save_seconds", 0.0))
         self.nonfinite_steps = int(st.get("nonfinite_steps", 0))
         self.nonfinite_run = int(st.get("nonfinite_run", 0))
+        self.oom_steps = int(st.get("oom_steps", 0))
         self.valid_history = [(int(s), float(v)) for s, v in st.get("valid_history", [])]
         self.best = st.get("best")
         self.run_id = st.get("run_id")

@@ -26,19 +26,24 @@ from scaletrain.data.sources import fetch_options, open_source
 from scaletrain.data.stream import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
+from scaletrain.engine.model_prep import compile_on
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.nonfinite import NonfiniteGuard
+from scaletrain.train.sync_count import step_range
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.replay import ReplayFilter
-from scaletrain.train.unit import StopVote, TranslationUnit, train_step
+from scaletrain.train.oom import OomPolicy
+from scaletrain.train.prefetch import Prefetcher
+from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
 from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")
+MAX_PENDING = 64  # updates whose device values wait for a read at most (their host batches are kept for the dumps)
 
 
 @dataclass
@@ -97,12 +102,15 @@ class Trainer:
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
                                  byte_level=cfg.data.tokenizer == "byte",
-                                 mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng))
+                                 mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng), compiled=compile_on(cfg))
         self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
                                    lambda: self.build_model(expert_parallel=False))
         self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.nonfinite = NonfiniteGuard(tc, self.out_dir, eng, self.state, self.vocab)
+        self.oom = OomPolicy(tc.on_oom, cfg.data.max_tokens, eng.world_size)
+        self.prefetcher: Prefetcher | None = None  # made in fit()
+        self._pending: list = []  # (step, StepOutput, host batches, stream position) not yet read (_settle)
         self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
         self.preempted = False
         self.system_metrics = None  # NodeSystemMetrics on each node's local rank 0 (fit)
@@ -146,7 +154,10 @@ class Trainer:
         baseline = self._baseline()
         if self.cfg.train.valid_every and st.step == 0:
             self.evaluator.validation_loss()  # the start of the validation curve
-        batches = iter(self.stream)
+        self.prefetcher = Prefetcher(self.stream, iter(self.stream), self.cfg.engine.grad_accum, eng.device)
+        self._pending = []
+        if st.step < self.cfg.train.max_steps:
+            self.prefetcher.fetch()  # the first step's batches (opening the stream: outside the step ranges)
         self.preemption.install()
         eng.train(True)
         self.clock.start()
@@ -154,34 +165,67 @@ class Trainer:
         self.logger.progress = ProgressDisplay.for_run(self.cfg, eng, st)  # closed by _finish / close
         self.evaluator.progress = self.logger.progress
         while st.step < self.cfg.train.max_steps:
-            t_wait = time.perf_counter()
-            position = self.stream.state_dict()  # where the step's batches start (named if they give NaN/inf)
-            micro = [next(batches) for _ in range(self.cfg.engine.grad_accum)]
-            data_wait = time.perf_counter() - t_wait
-            out = train_step(eng, self.unit, micro, stop_vote=self.budget.exceeded(),
-                             preempt_vote=self.preemption.requested,
-                             save_vote=eng.is_main and self.save_timer.due())
-            if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
-                self.preempted = out.preempted
-                self.stream.load_state_dict(position)  # unread: the checkpoint resumes with these batches
-                break
-            st.step += 1
-            st.skipped_steps += int(out.info.skipped and not out.info.nonfinite)
-            st.tokens_seen += out.global_tokens
-            st.examples_seen += out.examples
-            self.clock.tick()
-            self.logger.after_step(out, data_wait)
-            self.nonfinite.after_step(out, micro, position)  # raises to stop (every rank, same step)
-            decision = self.stopper.update(self.evaluator.after_step())
-            saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save or out.save_due)
-            self._record_checkpoint(saved)
-            self.stopper.keep(saved, decision)
-            if decision.stop:
-                break
+            with step_range(st.step + 1):  # torch.profiler range: host reads per step (sync_count.py)
+                if self._iteration():
+                    break
         return self._finish(baseline)
+
+    def _iteration(self) -> bool:
+        """One update and the components after it; True when the loop must stop.
+
+        No host synchronisation outside log/validation/save steps: the update's values (loss sums, norm,
+        non-finite flag) stay on the device and are read in one go by :meth:`_settle` on those steps
+        (and at least every ``MAX_PENDING`` updates); the next step's batches are read and moved while
+        this one computes (``prefetch.py``)."""
+        st, eng, tc = self.state, self.engine, self.cfg.train
+        got = self.prefetcher.take()
+        out = train_step(eng, self.unit, got.micro, stop_vote=self.budget.exceeded(),
+                         preempt_vote=self.preemption.requested,
+                         save_vote=eng.is_main and self.save_timer.due(), oom=self.oom)
+        if isinstance(out, StopVote):  # budget spent or preempted (all ranks agree)
+            self.preempted = out.preempted
+            self.stream.load_state_dict(got.position)  # unread: the checkpoint resumes with these batches
+            return True
+        if st.step + 1 < tc.max_steps:
+            self.prefetcher.fetch()  # the next step's batches, while the device works on this one
+        st.step += 1
+        st.tokens_seen += out.global_tokens
+        st.examples_seen += out.examples
+        if out.oom:
+            st.oom_steps += 1
+            log.warning("rank %d: step %d ran out of device memory on a batch of %s (data.max_tokens=%d); update "
+                        "skipped (train.on_oom=skip, %d in all)", eng.rank, st.step, out.oom, self.cfg.data.max_tokens,
+                        st.oom_steps)
+        self.clock.tick()
+        self._pending.append((st.step, out, got.host, got.position))
+        if self._settle_due(out):
+            self._settle()  # raises to stop on a non-finite update (every rank, same step)
+        self.logger.after_step(out, got.wait)
+        decision = self.stopper.update(self.evaluator.after_step())
+        saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save or out.save_due)
+        self._record_checkpoint(saved)
+        self.stopper.keep(saved, decision)
+        return decision.stop
+
+    def _settle_due(self, out) -> bool:
+        """A step whose components read this update's values: log, validation, save, the last one."""
+        step, tc = self.state.step, self.cfg.train
+        return (len(self._pending) >= MAX_PENDING or step >= tc.max_steps or out.save_due or step % tc.log_every == 0
+                or (tc.valid_every and step % tc.valid_every == 0) or (tc.bleu_every and step % tc.bleu_every == 0)
+                or (tc.save_every and step % tc.save_every == 0))
+
+    def _settle(self) -> None:
+        """Read the pending updates' device values in one go; count fp16-skipped updates and apply the NaN/inf
+        policy to each, in step order (``nonfinite.py``)."""
+        pending, self._pending = self._pending, []
+        resolve_outputs([out for _, out, _, _ in pending])
+        for step, out, host, position in pending:
+            self.state.skipped_steps += int(out.info.skipped and not out.info.nonfinite and not out.oom)
+            self.nonfinite.after_step(out, host, position, step=step)
 
     def _finish(self, baseline: float) -> TrainResult:
         st = self.state
+        self._settle()
         self.logger.progress.close()
         skipped = getattr(self.stream, "skipped_blocks", 0)
         if skipped:
@@ -233,8 +277,13 @@ class Trainer:
     def _checkpoint_contents(self) -> dict:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
-        return dict(trainer_state=trainer_state, rank_state={"stream": self.stream.state_dict()},
+        return dict(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
                     config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+
+    def _stream_position(self):
+        """Where a resume reads on: before the first batches no update has used (read-ahead ones included)."""
+        prefetcher = getattr(self, "prefetcher", None)
+        return prefetcher.resume_position() if prefetcher is not None else self.stream.state_dict()
 
     def _record_checkpoint(self, saved: Path | None) -> None:
         """The run's checkpoints.json artifact (rank 0; a local write, the upload is in the background)."""

@@ -15,6 +15,7 @@ from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.models.routing_stats import routing_metrics
 from scaletrain.train.moe_usage import MoeLanguageUsage
+from scaletrain.train.oom import OomPolicy
 
 
 class TranslationUnit:
@@ -60,22 +61,57 @@ class TranslationUnit:
         return out
 
 
-@dataclass
 class StepOutput:
-    info: StepInfo
-    global_tokens: int  # target tokens of the step, all ranks
-    loss_sum: float  # this rank's sums over its micro-batches
-    nll_sum: float
-    ntok: int
-    examples: int
-    global_src_tokens: int = 0  # source tokens of the step, all ranks (throughput)
-    save_due: bool = False  # rank 0's clock says a time-based checkpoint is due (train.save_every_minutes)
+    """One update: the engine's :class:`StepInfo`, the step's global token counts (host numbers from the
+    all-reduce), this rank's examples, and this rank's loss sums over its micro-batches, which stay on the
+    device (``sums``: float64 [loss, nll, target tokens]) until read: ``loss_sum``/``nll_sum``/``ntok``
+    read them once (the training loop does on log and save steps, :func:`resolve_outputs`).
+
+    ``oom``: a micro-batch ran out of memory and the update was withheld (``train.on_oom=skip``); its
+    ``oom_shape`` names the batch."""
+
+    def __init__(self, info: StepInfo, global_tokens: int, sums, examples: int, global_src_tokens: int = 0,
+                 save_due: bool = False, oom: str = ""):
+        self.info, self.global_tokens, self.examples = info, global_tokens, examples
+        self.global_src_tokens, self.save_due, self.oom = global_src_tokens, save_due, oom
+        self._sums = sums  # device tensor [3] until read, then a list of floats
+
+    @property
+    def sums(self) -> torch.Tensor | list[float]:
+        return self._sums
+
+    def _read(self) -> list[float]:
+        if torch.is_tensor(self._sums):
+            resolve_outputs([self])
+        return self._sums
+
+    @property
+    def loss_sum(self) -> float:  # this rank's sums over its micro-batches
+        return self._read()[0]
+
+    @property
+    def nll_sum(self) -> float:
+        return self._read()[1]
+
+    @property
+    def ntok(self) -> int:
+        return int(self._read()[2])
 
     @property
     def loss_finite(self) -> bool:
         """This rank's loss sums are finite (a NaN/inf loss on any rank makes the reduced gradient, and so
         ``info.nonfinite``, non-finite on every rank)."""
         return math.isfinite(self.loss_sum) and math.isfinite(self.nll_sum)
+
+
+def resolve_outputs(outs: list[StepOutput]) -> None:
+    """Read the loss sums and the update values (norm, skip flag) of ``outs`` to the host in one read."""
+    pending = [o for o in outs if torch.is_tensor(o._sums)]
+    if pending:
+        flat = torch.stack([o._sums for o in pending]).tolist()
+        for o, vals in zip(pending, flat):
+            o._sums = vals
+    StepInfo.resolve_all([o.info for o in outs])
 
 
 @dataclass
@@ -85,7 +121,8 @@ class StopVote:
 
 
 def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool,
-               preempt_vote: bool = False, save_vote: bool = False) -> StepOutput | StopVote:
+               preempt_vote: bool = False, save_vote: bool = False, oom: OomPolicy | None = None
+               ) -> StepOutput | StopVote:
     """One update over ``micro`` (grad_accum batches), or a :class:`StopVote` when any rank voted to stop
     (``stop_vote``: budget spent; ``preempt_vote``: a preemption signal); the votes ride on the step's
     token all-reduce, so every rank stops at the same step. ``save_vote`` (rank 0's save timer) comes
@@ -94,6 +131,13 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     Loss normalisation: the target tokens of the whole step (all ranks, all micro-batches) are
     all-reduced first, and each micro-batch's summed loss is scaled so that, after the engine's averaging
     over ranks and accumulation steps, the gradient is d(sum of losses)/d(theta) / (global target tokens).
+
+    No host synchronisation: the token counts are host numbers (known before the batches move), reduced on
+    a host (gloo) group; the loss sums stay on the device, in float64 like the Python floats they replace
+    (same values, same order); the engine's norm and skip flag too (``StepInfo``).
+
+    ``oom``: what a ``torch.OutOfMemoryError`` in a micro-batch's forward/backward does (``train.on_oom``):
+    stop with one line naming the batch, or withhold the update and go on (:class:`OomPolicy`).
     """
     local_tok = sum(b.n_tgt_tokens for b in micro)
     local_src = sum(b.n_src_tokens for b in micro)
@@ -102,23 +146,27 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     if g_stop > 0 or g_preempt > 0:
         return StopVote(preempted=g_preempt > 0)
     scale = engine.world_size * len(micro) / g_tok
-    # No host sync per micro-batch (float()/int() of a device tensor waits for the GPU): the sums stay
-    # on the device, in float64 like the Python floats they replace (same values, same order), and are
-    # read once after the update.
-    sums = []
-    examples = 0
-    for b in micro:
-        b = b.to(engine.device)
-        loss_sum, nll_sum, ntok = unit.loss(b)
-        engine.backward(loss_sum * scale)
-        sums.append(torch.stack([loss_sum.detach().double(), nll_sum.detach().double(),
-                                 torch.as_tensor(ntok, device=loss_sum.device).double()]))
+    acc, examples, failed = None, 0, None
+    for i, b in enumerate(micro):
+        try:
+            b = b.to(engine.device)
+            loss_sum, nll_sum, ntok = unit.loss(b)
+            engine.backward(loss_sum * scale)
+        except torch.OutOfMemoryError:
+            if oom is None:
+                raise
+            failed = i  # handled below, once this frame's tensors are released
+            break
+        s = torch.stack([loss_sum.detach().double(), nll_sum.detach().double(),
+                         torch.as_tensor(ntok, device=loss_sum.device).double()])
+        acc = s if acc is None else acc + s
         examples += b.size
+    if failed is not None:
+        shape = oom.recover(engine, micro, failed)  # raises under train.on_oom=stop
+        info = engine.step()
+        return StepOutput(info, 0, [0.0, 0.0, 0.0], 0, 0, save_due=g_save > 0, oom=shape)
     info = engine.step()
-    acc = [0.0, 0.0, 0.0]
-    for s in torch.stack(sums).cpu().tolist():  # left-to-right sums, as before
-        acc = [a + x for a, x in zip(acc, s)]
-    return StepOutput(info, int(g_tok), acc[0], acc[1], int(acc[2]), examples, int(g_src), save_due=g_save > 0)
+    return StepOutput(info, int(g_tok), acc, examples, int(g_src), save_due=g_save > 0)
 
 
 @torch.no_grad()
@@ -129,7 +177,7 @@ def validation_loss(engine: Engine, unit: TranslationUnit, batches, max_batches:
     exchanges) the ranks go in lock-step: a vote per batch, and a rank whose batches ran out re-runs its
     last one (result discarded) while another rank still has one, so that no rank waits alone."""
     engine.train(False)
-    nll, n = 0.0, 0
+    nll, n = None, 0  # summed on the device, read once at the end
     lockstep, it, last = engine.partitioned(), iter(batches), None
     for _ in range(max_batches):
         batch = next(it, None)
@@ -141,8 +189,9 @@ def validation_loss(engine: Engine, unit: TranslationUnit, batches, max_batches:
             continue
         last = batch.to(engine.device)
         _, nll_sum, ntok = unit.loss(last)
-        nll += float(nll_sum)
-        n += int(ntok)
+        s = torch.stack([nll_sum.double(), torch.as_tensor(ntok, device=nll_sum.device).double()])
+        nll = s if nll is None else nll + s
+    nll, n = nll.tolist() if nll is not None else (0.0, 0.0)
     tot_nll, tot_n = engine.all_reduce_sum([nll, n])
     unit.routing(reset=True)  # routing statistics describe training batches only
     engine.train(True)
