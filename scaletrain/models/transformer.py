@@ -604,8 +604,16 @@ class Transformer(nn.Module):
         self.last_aux_loss: Optional[torch.Tensor] = None
 
     # ---- encoder ---------------------------------------------------------------------
+    def _compute_dtype(self, e: torch.Tensor) -> torch.Tensor:
+        """``e`` in the layers' parameter dtype. An embedding may hold its rows in a buffer (the one-hot
+        table), which an engine that casts only parameters (DeepSpeed ZeRO-1/2 in bf16) leaves in fp32."""
+        ref = next(iter(self.decoder_layers.parameters()), None)
+        if ref is None or e.dtype == ref.dtype or not ref.is_floating_point():
+            return e
+        return e.to(ref.dtype)
+
     def embed_source(self, src: torch.Tensor) -> torch.Tensor:
-        e = self.embeddings(src, "encoder")
+        e = self._compute_dtype(self.embeddings(src, "encoder"))
         x = e + self.positions(src).to(dtype=e.dtype)
         if self.cfg.encoder_input_dropout:
             x = kernels.dropout(x, self.cfg.dropout, self.training, self.kernel_mode)
@@ -631,7 +639,7 @@ class Transformer(nn.Module):
 
     # ---- decoder ---------------------------------------------------------------------
     def _decoder_input(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        e = self.embeddings(tokens, "decoder")
+        e = self._compute_dtype(self.embeddings(tokens, "decoder"))
         x = e + pos.to(dtype=e.dtype)
         if self.cfg.decoder_input_dropout:
             x = kernels.dropout(x, self.cfg.dropout, self.training, self.kernel_mode)

@@ -177,3 +177,22 @@ def test_onehot_decode_step_matches_forward():
     for t in range(tgt.shape[1]):
         logits, cache = m.decode_step(tgt[:, t], t, enc, cache)
         torch.testing.assert_close(logits[1:], full[1:, t], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("learnable", [True, False])
+def test_runs_when_an_engine_casts_only_the_parameters_to_bf16(learnable):
+    """DeepSpeed ZeRO-1/2 in bf16 casts the parameters and leaves buffers (the one-hot table) in fp32: the
+    model must still run, in the parameters' dtype, and match the fp32 model within bf16 round-off."""
+    from scaletrain.models.config import OneHotConfig
+
+    m = make(onehot=OneHotConfig(learnable_scales=learnable))
+    m.eval()
+    src, tgt = toks()
+    with torch.no_grad():
+        ref = m(src, tgt).float()
+        for p in m.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        assert m.embeddings.table.dtype == torch.float32  # the buffer stays as such an engine leaves it
+        out = m(src, tgt)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
