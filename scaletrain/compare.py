@@ -105,8 +105,11 @@ class RunData:
         return max(cands, key=Evaluation.rank) if cands else None
 
 
-# a score key per direction ("test/bleu/de-en", "zh_Hans-en"); groups are "all", "latin", "utf8-2byte", ...
-_DIRECTION = re.compile(r"^[A-Za-z]{2,3}(_[A-Za-z]+)?-[A-Za-z]{2,3}(_[A-Za-z]+)?$")
+# a score key per direction ("test/bleu/de-en", "zh_Hans-en", "pt-br-en", "en-zh-hant": a language code is 2-3
+# letters with an optional region or script subtag of 2-4 letters); groups are "all", "latin", "utf8-2byte",
+# "low-resource", "non-latin", ...
+_CODE = r"[A-Za-z]{2,3}(?:[_-](?:[A-Za-z]{2}|[A-Za-z]{4}|\d{3}))?"
+_DIRECTION = re.compile(rf"^{_CODE}-{_CODE}$")
 
 
 def is_direction_key(key: str) -> bool:
@@ -310,6 +313,9 @@ def compare(runs: list[RunData], directions: bool = False, evaluation: str | Non
     keys = sorted({k for r in runs for k in r.params})
     differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in runs}) > 1]
     rows: list[tuple[str, list[Any]]] = [("config: " + k, [r.params.get(k) for r in runs]) for k in differing]
+    if "params.total" not in differing and any("params.total" in r.params for r in runs):
+        rows.append(("parameters", [_int(float(r.params["params.total"])) if "params.total" in r.params else None
+                                    for r in runs]))  # shown even when equal
     rows.append(("status", [r.status for r in runs]))
     rows.append(("steps", [_int(r.metrics.get("train/steps")) for r in runs]))
     rows.append(("wall time (s)", [_clean(r.metrics.get("train/seconds")) for r in runs]))

@@ -116,10 +116,23 @@ def test_labels_use_the_run_name_with_its_short_id():
 def test_directions_are_told_from_groups():
     from scaletrain.compare import is_direction_key
 
-    for k in ("test/bleu/de-en", "test/chrf/zh_Hans-en", "valid/bleu/en-ast"):
+    for k in ("test/bleu/de-en", "test/chrf/zh_Hans-en", "valid/bleu/en-ast", "test/chrf/pt-br-en",
+              "test/chrf/en-zh-hant", "test/bleu/sr-latn-en", "test/chrf/es-419-en"):
         assert is_direction_key(k), k
-    for k in ("test/bleu/all", "test/chrf/utf8-2byte", "test/chrf/non-latin_xx2en", "test/bleu/latin", "train/loss"):
+    for k in ("test/bleu/all", "test/chrf/utf8-2byte", "test/chrf/non-latin_xx2en", "test/bleu/latin", "train/loss",
+              "test/chrf/low-resource", "test/chrf/Long", "test/chrf/OPUS4"):
         assert not is_direction_key(k), k
+
+
+def test_parameter_counts_are_shown_even_when_equal():
+    a, b = _run("a" * 32, "transformer", [3.0, 2.0]), _run("b" * 32, "moce", [3.0, 2.5])
+    for r in (a, b):
+        r.params["params.total"] = "5600000"
+    rows = dict(compare([a, b]).rows)
+    assert rows["parameters"] == [5600000, 5600000]
+    b.params["params.total"] = "5703104"
+    rows = dict(compare([a, b]).rows)
+    assert "parameters" not in rows and rows["config: params.total"] == ["5600000", "5703104"]
 
 
 def test_plot_reads_alone(tmp_path):
