@@ -2,7 +2,7 @@
 # The main job: prepare the bundled corpus if missing, train on every local GPU (2 CPU ranks when
 # there is none), evaluate, print BLEU/chrF and the commands to try next on this run.
 #
-#   ./launch.sh                                   # default: recipe "small", bounded budget
+#   ./launch.sh                                   # default: recipe "small" (catalogs_gpu on a GPU), 9 minutes
 #   ./launch.sh --recipe base optim.lr=7e-4       # a recipe and dotted overrides
 #   ./launch.sh --nproc 4 --hostfile hosts --num_nodes 2 --master_addr 10.0.0.1
 #   ./launch.sh --engine accelerate               # accelerate launch with our YAML
@@ -12,7 +12,7 @@ usage() {
   sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
   cat <<'USAGE'
 options:
-  --recipe NAME|PATH     packaged recipe or YAML file (default: small)
+  --recipe NAME|PATH     packaged recipe or YAML file (default: small; catalogs_gpu where nvidia-smi lists a GPU)
   --nproc N              processes per node (default: #GPUs, or 2 on a CPU-only machine)
   --hostfile F           DeepSpeed hostfile for multi-node runs
   --num_nodes N          number of nodes
@@ -24,16 +24,18 @@ options:
   --out DIR              run directory (default: runs/RECIPE-TIMESTAMP)
   --no-eval              skip evaluation
   --verbose              every library's log lines too (DeepSpeed's launcher, MLflow, ...)
+  --dry-run              check everything, print what would run (recipe, ranks, corpus, precision), start nothing
   KEY=VALUE              config overrides (e.g. train.max_steps=200)
 
-Only the bundled corpus (data.shards=shards/django, the default) is built here when missing; any other
+Only the bundled corpus (data.shards=shards/django, the CPU default) and the catalogs corpus (shards/catalogs,
+from every gettext catalog of this machine: the GPU default) are built here when missing; any other
 data.shards must hold shards written by 'scaletrain prepare' (else one error line, exit 2, nothing started).
 At the end: the commands to try next on this run (translate, evaluate with a beam, compare, export, mlflow ui).
 SIGTERM/SIGINT/SIGUSR1 to this script or the job's process group: every rank checkpoints at the next step
 boundary, the MLflow run ends KILLED, exit code 75; re-run with the same --out to resume.
 USAGE
 }
-recipe=small; nproc=""; engine=deepspeed; out=""; do_eval=1; verbose=0
+recipe=""; nproc=""; engine=deepspeed; out=""; do_eval=1; verbose=0; dry_run=0
 ds_args=(); overrides=()
 declare -A launcher_opt=()
 while [[ $# -gt 0 ]]; do
@@ -48,6 +50,7 @@ while [[ $# -gt 0 ]]; do
     --out) out="$2"; shift 2 ;;
     --no-eval) do_eval=0; shift ;;
     --verbose) verbose=1; shift ;;
+    --dry-run) dry_run=1; shift ;;
     *=*) overrides+=("$1"); shift ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -55,13 +58,12 @@ done
 bash scripts/bootstrap.sh
 user_path="$PATH"
 export PATH="$PWD/.venv/bin:$PATH"
-if [[ -z "$nproc" ]]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    nproc=$(nvidia-smi -L | wc -l)
-  else
-    nproc=2
-  fi
-fi
+gpus=0
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && gpus=$(nvidia-smi -L | wc -l)
+[[ -n "$nproc" ]] || { if [[ $gpus -gt 0 ]]; then nproc=$gpus; else nproc=2; fi; }
+# The default job: the small model on the bundled corpus on CPU; on a GPU the papers' base model on the
+# catalogs corpus, sized for one GPU (scaletrain/recipes/catalogs_gpu.yaml), in the same 9 minutes.
+[[ -n "$recipe" ]] || { if [[ $gpus -gt 0 ]]; then recipe=catalogs_gpu; else recipe=small; fi; }
 [[ -n "$out" ]] || out="runs/$(basename "${recipe%.yaml}")-$(date +%Y%m%d-%H%M%S)"
 overrides+=("train.out_dir=$out")
 [[ "$engine" == deepspeed || "$engine" == accelerate ]] || { echo "launch.sh: --engine must be deepspeed or accelerate" >&2; exit 2; }
@@ -76,6 +78,11 @@ declare -A plan=()
 plan_out=$(python -m scaletrain.engine.preflight --launch-plan --config "$recipe" --world-size $((nproc * num_nodes)) --local-ranks "$nproc" "${overrides[@]}")
 while IFS='=' read -r key value; do plan["$key"]="$value"; done <<<"$plan_out"
 export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]}}"
+if [[ $dry_run == 1 ]]; then
+  echo "== dry run: recipe $recipe, $nproc process(es) per node x $num_nodes node(s) with $engine, GPUs seen $gpus,"
+  echo "   precision $SCALETRAIN_AUTO_PRECISION, shards ${plan[shards]}$([[ "${plan[prepare]}" == 1 ]] && echo " (to build: scaletrain prepare ${plan[prepare_args]})"), out $out"
+  exit 0
+fi
 # Quiet start: DeepSpeed need not probe for an accelerator (its "Setting accelerator to CPU" warning) on a
 # machine torch finds no GPU on; the ranks take the user's OMP_NUM_THREADS, not a launcher's.
 [[ "${plan[cuda]}" == 0 && -z "${DS_ACCELERATOR:-}" ]] && export DS_ACCELERATOR=cpu
@@ -86,8 +93,9 @@ python -m scaletrain.engine.preflight --init-tracking-store --config "$recipe" "
 store_pid=$!
 shards="${plan[shards]}"
 if [[ "${plan[prepare]}" == 1 ]]; then
-  echo "== preparing the bundled corpus into $shards"
-  scaletrain prepare --out "$shards" --overwrite
+  read -r -a prepare_args <<<"${plan[prepare_args]}"
+  echo "== preparing the corpus into $shards: scaletrain prepare ${plan[prepare_args]}"
+  scaletrain prepare --out "$shards" --overwrite "${prepare_args[@]}"
 fi
 echo "== training $recipe on $nproc process(es) per node with $engine -> $out"
 t0=$(date +%s)

@@ -20,13 +20,28 @@ from pathlib import Path
 from scaletrain.errors import ScaletrainError
 
 BUNDLED_SHARDS = "shards/django"  # what `scaletrain prepare` (no corpus arguments) writes; launch.sh builds it
+CATALOGS_SHARDS = "shards/catalogs"  # the catalogs corpus of the catalogs_* recipes (the GPU default job)
+# The corpora launch.sh builds when their directory is missing: path -> `scaletrain prepare` arguments. The
+# catalogs corpus reads whatever gettext catalogs the machine has (docs/RESULTS.md: the same command).
+BUILT_CORPORA = {
+    BUNDLED_SHARDS: (),
+    CATALOGS_SHARDS: ("--catalogs", "system,packages", "--max-per-lang", "20000", "--max-bytes", "256",
+                      "--valid-frac", "0.01", "--test-frac", "0.02", "--spm-vocab-size", "8000"),
+}
+
+
+def built_corpus(path: str, cwd: str | Path | None = None) -> str | None:
+    """Which of :data:`BUILT_CORPORA` ``path`` is (``shards/django`` or ``shards/catalogs`` under the working
+    directory, however spelled), or None."""
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    p = Path(path)
+    p = (p if p.is_absolute() else base / p).resolve()
+    return next((name for name in BUILT_CORPORA if p == (base / name).resolve()), None)
 
 
 def is_bundled_shards(path: str, cwd: str | Path | None = None) -> bool:
     """True for the bundled corpus' shard directory (``shards/django`` under the working directory)."""
-    base = Path(cwd) if cwd is not None else Path.cwd()
-    p = Path(path)
-    return (p if p.is_absolute() else base / p).resolve() == (base / BUNDLED_SHARDS).resolve()
+    return built_corpus(path, cwd) == BUNDLED_SHARDS
 
 
 def shards_problem(cfg) -> str | None:
@@ -166,12 +181,14 @@ def init_tracking_store(cfg, project_dir: str | Path) -> Path | None:
 
 
 def launch_plan(cfg, world_size: int, local_ranks: int | None = None) -> dict[str, str]:
-    """What ``launch.sh`` needs before it starts the launcher, after every check: ``prepare=1`` where the
-    shards are the bundled corpus' and not built yet (any other missing path is an error)."""
+    """What ``launch.sh`` needs before it starts the launcher, after every check: ``prepare=1`` and the
+    ``prepare_args`` of ``scaletrain prepare`` where the shards are one of :data:`BUILT_CORPORA` and not built
+    yet (any other missing path is an error)."""
     import torch
 
     problem = shards_problem(cfg)
-    prepare = problem is not None and is_bundled_shards(cfg.data.shards)
+    corpus = built_corpus(cfg.data.shards)
+    prepare = problem is not None and corpus is not None
     if problem and not prepare:
         raise ScaletrainError(problem)
     if prepare:
@@ -182,7 +199,8 @@ def launch_plan(cfg, world_size: int, local_ranks: int | None = None) -> dict[st
     from scaletrain.threads import CpuBudget, plan_threads
 
     threads, _ = plan_threads(CpuBudget.detect(), local_ranks=max(1, local_ranks or world_size))  # per rank
-    plan = {"shards": str(cfg.data.shards), "prepare": str(int(prepare)), "precision": cfg.engine.precision,
+    plan = {"shards": str(cfg.data.shards), "prepare": str(int(prepare)),
+            "prepare_args": " ".join(BUILT_CORPORA[corpus]) if prepare else "", "precision": cfg.engine.precision,
             "threads": str(cfg.engine.threads or threads),
             "backend": cfg.engine.backend, "accelerate": cfg.engine.accelerate, "out_dir": str(cfg.out_dir),
             "cuda": str(int(torch.cuda.is_available()))}

@@ -1,4 +1,6 @@
 """CLI errors: one line naming the problem, exit code != 0, no traceback (unless --debug)."""
+import os
+
 import pytest
 
 from helpers import cli
@@ -109,3 +111,28 @@ def test_launch_sh_builds_only_the_bundled_corpus(tmp_path):
     assert len(lines) == 1 and "config key 'data.shards'" in lines[0] and typo in lines[0], lines
     assert "scaletrain prepare --out" in lines[0]
     assert not (ROOT / typo).exists() and not out.exists()
+
+
+def test_launch_sh_default_job_is_sized_for_the_machine(tmp_path):
+    """No --recipe: the small model on the bundled corpus without a GPU; on a machine whose nvidia-smi lists a
+    GPU, one rank per GPU with the catalogs_gpu recipe, whose corpus (shards/catalogs, from every gettext
+    catalog of the machine) launch.sh builds when missing. --dry-run checks everything and starts nothing."""
+    from helpers import run_launch_sh
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
+                                     "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ)
+    cpu = run_launch_sh(["--dry-run", "--out", str(tmp_path / "a")], cwd=tmp_path, env=env, timeout=300)
+    text = cpu.stdout.decode()
+    assert cpu.returncode == 0, text
+    assert "recipe small, 2 process(es) per node" in text and "shards shards/django (to build" in text
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    gpu = run_launch_sh(["--dry-run", "--out", str(tmp_path / "b")], cwd=tmp_path, env=env, timeout=300)
+    text = gpu.stdout.decode()
+    assert gpu.returncode == 0, text
+    assert "recipe catalogs_gpu, 2 process(es) per node" in text and "GPUs seen 2" in text
+    assert "shards shards/catalogs (to build: scaletrain prepare --catalogs system,packages" in text
+    assert not (tmp_path / "shards").exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
