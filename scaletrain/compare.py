@@ -6,9 +6,11 @@ evaluation runs nested under training runs are not listed as runs of their own).
 :func:`compare` returns one column per run and one row per field:
 
 * ``config: KEY`` rows for every logged parameter whose value differs between the runs (found
-  automatically; keys that differ by construction, such as the output directory, are left out),
+  automatically; keys that differ by construction, such as the output directory, are left out), and for
+  the keys asked for with ``--param`` even where the runs agree,
 * the run's status, wall time (training-loop seconds) and steps,
 * ``final`` and ``best`` of the learning-curve metrics (train loss, validation nll, in-training BLEU/chrF),
+* ``final``, ``min`` and ``max`` of any other metric asked for with ``--metric`` (``-`` where a run has none),
 * per evaluated split, an ``evaluation (<split>)`` row naming the evaluation the scores below it come
   from (:mod:`scaletrain.eval.records`), then its scores per group (``<split>/bleu/<group>``,
   ``<split>/chrf/<group>``). Of a run's evaluations of a split the run's full one is shown (every line, the
@@ -39,7 +41,7 @@ from typing import Any, Iterable
 from scaletrain.errors import ScaletrainError
 from scaletrain.eval.records import EVALUATION, KIND_TAG, TAG_PREFIX, headline_tag
 from scaletrain.plots import BASELINE_KEY
-from scaletrain.tracking import RUN_FILE, _client, evaluation_runs, resolve_tracking_uri
+from scaletrain.tracking import RUN_FILE, _client, evaluation_runs, resolve_tracking_uri, safe_key
 
 __all__ = ["RunData", "Evaluation", "Comparison", "load_runs", "compare", "plot_comparison", "FORMATS"]
 
@@ -164,7 +166,7 @@ def _evaluations(client, run) -> list[Evaluation]:
     return out
 
 
-def _fetch(client, run_id: str) -> RunData:
+def _fetch(client, run_id: str, extra: Iterable[str] = ()) -> RunData:
     from mlflow.exceptions import MlflowException
 
     try:
@@ -174,7 +176,7 @@ def _fetch(client, run_id: str) -> RunData:
     data = RunData(run.info.run_id, run.info.run_name or "", run.info.status, dict(run.data.params),
                    dict(run.data.tags), dict(run.data.metrics), start_time=run.info.start_time,
                    end_time=run.info.end_time)
-    for k in [*_curve_keys(data.metrics), *(k for k, _ in MEAN_ROWS)]:
+    for k in [*_curve_keys(data.metrics), *(k for k, _ in MEAN_ROWS), *extra]:
         if k in data.metrics:
             hist = client.get_metric_history(run_id, k)
             data.histories[k] = sorted((m.step, m.value) for m in hist)
@@ -201,9 +203,13 @@ def _experiment_runs(c, experiment: str, uri: str, filter_string: str, max_runs:
 
 
 def load_runs(runs: Iterable[str] = (), *, experiment: str | None = None, filter_string: str = "",
-              uri: str | None = None, project_dir: str | os.PathLike = ".", max_runs: int = 50) -> list[RunData]:
+              uri: str | None = None, project_dir: str | os.PathLike = ".", max_runs: int = 50,
+              metrics: Iterable[str] = ()) -> list[RunData]:
     """``runs``: run ids or run directories (their ``tracking/run.json``); plus the training runs of
-    ``experiment`` (newest first, at most ``max_runs``, MLflow ``filter_string``), each with its evaluations."""
+    ``experiment`` (newest first, at most ``max_runs``, MLflow ``filter_string``), each with its evaluations
+    and the histories of the learning curves, the throughput and ``metrics`` (any other keys, for
+    :func:`compare`'s ``metrics``)."""
+    extra = [safe_key(k) for k in metrics]
     default_uri = resolve_tracking_uri(uri, project_dir)
     clients: dict[str, Any] = {}
 
@@ -221,13 +227,13 @@ def load_runs(runs: Iterable[str] = (), *, experiment: str | None = None, filter
                 raise ScaletrainError(f"compare: {p} is a directory without tracking/{RUN_FILE} "
                                       "(not the out_dir of a tracked training run)")
             info = json.loads(info_file.read_text())
-            out.append(_fetch(client(uri or info["uri"]), info["run_id"]))
+            out.append(_fetch(client(uri or info["uri"]), info["run_id"], extra))
         else:
-            out.append(_fetch(client(default_uri), str(r)))
+            out.append(_fetch(client(default_uri), str(r), extra))
     if experiment:
         c = client(default_uri)
         seen = {d.run_id for d in out}
-        out.extend(_fetch(c, rid) for rid in _experiment_runs(c, experiment, default_uri, filter_string, max_runs)
+        out.extend(_fetch(c, rid, extra) for rid in _experiment_runs(c, experiment, default_uri, filter_string, max_runs)
                    if rid not in seen)
     if not out:
         raise ScaletrainError("compare: no runs (give run ids, run directories or --experiment NAME)")
@@ -307,12 +313,16 @@ def _evaluation_rows(runs: list[RunData], directions: bool, pattern: str | None)
     return rows
 
 
-def compare(runs: list[RunData], directions: bool = False, evaluation: str | None = None) -> Comparison:
+def compare(runs: list[RunData], directions: bool = False, evaluation: str | None = None,
+            metrics: Iterable[str] = (), params: Iterable[str] = ()) -> Comparison:
     """The side-by-side table of ``runs`` (see the module docstring); evaluation scores per group, and per
-    direction too with ``directions``; ``evaluation``: a glob the shown evaluations' names must match."""
+    direction too with ``directions``; ``evaluation``: a glob the shown evaluations' names must match.
+    ``params``: config keys shown even where the runs agree; ``metrics``: other metric keys, each with its
+    final, min and max value (load the runs with the same ``metrics`` for min and max)."""
     keys = sorted({k for r in runs for k in r.params})
     differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in runs}) > 1]
-    rows: list[tuple[str, list[Any]]] = [("config: " + k, [r.params.get(k) for r in runs]) for k in differing]
+    shown = differing + [k for k in dict.fromkeys(safe_key(p) for p in params) if k not in differing]
+    rows: list[tuple[str, list[Any]]] = [("config: " + k, [r.params.get(k) for r in runs]) for k in shown]
     if "params.total" not in differing and any("params.total" in r.params for r in runs):
         rows.append(("parameters", [_int(float(r.params["params.total"])) if "params.total" in r.params else None
                                     for r in runs]))  # shown even when equal
@@ -325,6 +335,7 @@ def compare(runs: list[RunData], directions: bool = False, evaluation: str | Non
         rows.append((f"{k} final", [_clean(r.metrics.get(k)) for r in runs]))
         rows.append((f"{k} best", [_clean(best(v for _, v in r.histories[k])) if r.histories.get(k) else None
                                    for r in runs]))
+    rows += _metric_rows(runs, [k for k in dict.fromkeys(safe_key(m) for m in metrics) if k not in curve_keys])
     rows += _evaluation_rows(runs, directions, evaluation)
     for k, name in MEAN_ROWS:
         if any(r.histories.get(k) for r in runs):
@@ -334,6 +345,17 @@ def compare(runs: list[RunData], directions: bool = False, evaluation: str | Non
         if any(k in r.metrics for r in runs):
             rows.append((name, [_clean(r.metrics.get(k)) for r in runs]))
     return Comparison(runs, rows, differing)
+
+
+def _metric_rows(runs: list[RunData], keys: list[str]) -> list[tuple[str, list[Any]]]:
+    """``<key> final`` (the run's last value), ``<key> min``, ``<key> max`` (over its history) per key."""
+    rows: list[tuple[str, list[Any]]] = []
+    for k in keys:
+        hists = [[v for _, v in r.histories.get(k, [])] for r in runs]
+        rows.append((f"{k} final", [_clean(r.metrics.get(k)) for r in runs]))
+        rows.append((f"{k} min", [_clean(min(h)) if h else None for h in hists]))
+        rows.append((f"{k} max", [_clean(max(h)) if h else None for h in hists]))
+    return rows
 
 
 def _int(v):

@@ -43,14 +43,13 @@ import collections
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from scaletrain.errors import ScaletrainError
 
@@ -61,12 +60,10 @@ __all__ = [
     "EvaluationLogged",
     "evaluation_runs",
     "Tracker",
-    "RunComparison",
     "SyncReport",
     "read_journal",
     "sync_run",
     "broadcast_run_id",
-    "compare_runs",
     "default_run_name",
     "default_tracking_uri",
     "flatten_params",
@@ -1060,73 +1057,3 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
         client.set_terminated(run_id, status=last["status"], end_time=last["ts"])
         applied = last["status"]
     return SyncReport(run_id, len(missing), present, n_art, applied)
-
-
-# ----------------------------------------------------------------------------------------------
-# run comparison
-
-
-@dataclass
-class RunComparison:
-    columns: list[str]
-    rows: list[dict[str, Any]]
-
-    def format(self) -> str:
-        def cell(v: Any) -> str:
-            if v is None:
-                return "-"
-            if isinstance(v, float):
-                return "nan" if math.isnan(v) else f"{v:.4g}"
-            return str(v)
-
-        table = [[cell(r.get(c)) for c in self.columns] for r in self.rows]
-        widths = [max([len(c)] + [len(t[i]) for t in table]) for i, c in enumerate(self.columns)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(self.columns, widths)).rstrip(),
-                 "  ".join("-" * w for w in widths)]
-        for t in table:
-            lines.append("  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip())
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
-
-
-def compare_runs(
-    experiment: str,
-    metric_keys: Iterable[str],
-    *,
-    param_keys: Iterable[str] = (),
-    uri: str | None = None,
-    project_dir: str | os.PathLike = ".",
-    agg: str = "last",
-    max_runs: int = 100,
-    filter_string: str = "",
-) -> RunComparison:
-    """One row per run of ``experiment`` (newest first): run id, name, status, the given params and each
-    metric's last / min / max value (``agg``). Missing values are None."""
-    if agg not in ("last", "min", "max"):
-        raise ScaletrainError(f"compare_runs: agg must be last, min or max, got {agg!r}")
-    metric_keys = [safe_key(k) for k in metric_keys]
-    param_keys = [safe_key(k) for k in param_keys]
-    resolved = resolve_tracking_uri(uri, project_dir)
-    client = _client(resolved)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        raise ScaletrainError(f"compare_runs: no experiment named {experiment!r} in {resolved}")
-    runs = client.search_runs([exp.experiment_id], filter_string=filter_string, max_results=max_runs,
-                              order_by=["attributes.start_time DESC"])
-    columns = ["run_id", "run_name", "status", *param_keys, *metric_keys]
-    rows = []
-    for run in runs:
-        row: dict[str, Any] = {"run_id": run.info.run_id, "run_name": run.info.run_name,
-                               "status": run.info.status}
-        for k in param_keys:
-            row[k] = run.data.params.get(k)
-        for k in metric_keys:
-            if agg == "last":
-                row[k] = run.data.metrics.get(k)
-            else:
-                hist = [m.value for m in client.get_metric_history(run.info.run_id, k)]
-                row[k] = (min(hist) if agg == "min" else max(hist)) if hist else None
-        rows.append(row)
-    return RunComparison(columns, rows)

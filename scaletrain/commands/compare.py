@@ -7,6 +7,7 @@ when it has one; ``--evaluation GLOB`` picks another by name).
     scaletrain compare --experiment scaletrain --filter "tags.arch = 'moce'" --format md
     scaletrain compare 3f2a... 9c1b... --format json
     scaletrain compare runs/a runs/b --evaluation 'test.full.beam4.*'
+    scaletrain compare --experiment scaletrain --metric train/grad_norm --param optim.lr
 
 The work is :mod:`scaletrain.compare`; the default local MLflow store is enough, no server needed.
 """
@@ -33,6 +34,10 @@ def register(subparsers) -> None:
     cp.add_argument("--plot", default=None, metavar="FILE",
                     help="write overlaid learning curves and test chrF per group to this PNG")
     cp.add_argument("--directions", action="store_true", help="also list evaluation scores per direction")
+    cp.add_argument("--metric", action="append", default=[], metavar="KEY",
+                    help="also show this metric's final, min and max value (repeatable), e.g. train/grad_norm")
+    cp.add_argument("--param", action="append", default=[], metavar="KEY",
+                    help="also show this config key where the runs agree (repeatable), e.g. optim.lr")
     cp.add_argument("--evaluation", default=None, metavar="GLOB",
                     help="show the evaluations whose name matches GLOB (e.g. 'test.full.beam4.*'); default: each "
                          "run's full evaluation of the split, else the best match (see `scaletrain evaluate`)")
@@ -45,8 +50,10 @@ def run(args) -> int:
     from scaletrain.compare import compare, load_runs, plot_comparison
 
     runs = load_runs(args.runs, experiment=args.experiment, filter_string=args.filter, uri=args.uri,
-                     project_dir=Path.cwd(), max_runs=args.max_runs)
-    print(compare(runs, directions=args.directions, evaluation=args.evaluation).format(args.format))
+                     project_dir=Path.cwd(), max_runs=args.max_runs, metrics=args.metric)
+    cmp = compare(runs, directions=args.directions, evaluation=args.evaluation, metrics=args.metric,
+                  params=args.param)
+    print(cmp.format(args.format))
     if args.plot:
         out = plot_comparison(runs, args.plot, evaluation=args.evaluation)
         if args.format in ("table", "md"):

@@ -199,3 +199,39 @@ def test_old_records_still_show(tmp_path, monkeypatch):
     assert [e.name for e in second.evaluations] == [spec.name] and second.evaluation("test").primary
     with pytest.raises(Exception):
         T.log_evaluation(uri, "0" * 32, spec.name, tags=spec.tags(), metrics={}, step=4)
+
+
+def test_chosen_metrics_and_params_of_an_experiment(tmp_path, monkeypatch):
+    """Any metric's final / min / max and chosen config keys, from a real store: MLflow-safe keys, "-" where a
+    run has no value, an experiment that does not exist named in one line."""
+    from scaletrain import tracking as T
+    from scaletrain.errors import ScaletrainError
+    from scaletrain.compare import load_runs
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name, lr, losses in [("a", 1e-3, [3.0, 2.0, 2.5]), ("b", 5e-4, [4.0, 1.0, 1.2])]:
+        tr = T.Tracker(None, "cmp", name, True, tmp_path)
+        tr.start(params={"optim": {"lr": lr}, "seed": 1})
+        for s, v in enumerate(losses):
+            tr.log_metrics({"valid/loss": v, "bleu/xx->en": 10 * s}, step=s)
+        tr.end()
+    keys = ["valid/loss", "bleu/xx->en", "absent"]
+    runs = load_runs(experiment="cmp", project_dir=tmp_path, metrics=keys)
+    assert [r.run_name for r in runs] == ["b", "a"]  # newest first
+    cmp = compare(runs, metrics=keys, params=["optim.lr", "seed"])
+    names = [n for n, _ in cmp.rows]
+    assert names[:2] == ["config: optim.lr", "config: seed"]  # seed: asked for, shown although the runs agree
+    assert "config: seed" not in dict(compare(runs).rows)
+    for k in ("valid/loss", "bleu/xx-en", "absent"):
+        assert [f"{k} final", f"{k} min", f"{k} max"] == names[names.index(f"{k} final"):][:3]
+    by = {r.run_name: {n: v for n, v in zip(names, vals)} for r, vals in zip(runs, zip(*(v for _, v in cmp.rows)))}
+    assert by["a"]["valid/loss final"] == 2.5 and by["b"]["valid/loss final"] == 1.2
+    assert by["a"]["config: optim.lr"] == "0.001" and by["a"]["absent final"] is None and by["b"]["bleu/xx-en final"] == 20
+    assert {n: by[n]["valid/loss min"] for n in by} == {"a": 2.0, "b": 1.0}
+    assert {n: by[n]["valid/loss max"] for n in by} == {"a": 3.0, "b": 4.0}
+    assert by["b"]["absent min"] is None and by["b"]["absent max"] is None
+    lines = cmp.format("table").splitlines()
+    assert "b (" in lines[0] and "a (" in lines[0] and "2.5" in "\n".join(lines)
+    assert next(line for line in lines if line.startswith("absent final")).split()[2:] == ["-", "-"]
+    with pytest.raises(ScaletrainError, match="no experiment"):
+        load_runs(experiment="nope", project_dir=tmp_path)

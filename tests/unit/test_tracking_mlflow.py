@@ -224,24 +224,3 @@ def test_context_manager_marks_failed_and_flushes(tmp_path, template_db):
             raise RuntimeError("boom")
     run = MlflowClient(tracking_uri=db_uri(tmp_path)).get_run(rid)
     assert run.info.status == "FAILED" and run.data.metrics["loss"] == 1.5
-
-
-def test_compare_runs(tmp_path, template_db):
-    seed(template_db, tmp_path)
-    for name, lr, losses in [("a", 1e-3, [3.0, 2.0, 2.5]), ("b", 5e-4, [4.0, 1.0, 1.2])]:
-        tr = T.Tracker(None, "cmp", name, True, tmp_path)
-        tr.start(params={"optim": {"lr": lr}})
-        for s, v in enumerate(losses):
-            tr.log_metrics({"valid/loss": v, "bleu/xx->en": 10 * s}, step=s)
-        tr.end()
-    last = T.compare_runs("cmp", ["valid/loss", "bleu/xx->en", "absent"], param_keys=["optim.lr"], project_dir=tmp_path)
-    assert last.columns == ["run_id", "run_name", "status", "optim.lr", "valid/loss", "bleu/xx-en", "absent"]
-    by = {r["run_name"]: r for r in last.rows}
-    assert by["a"]["valid/loss"] == 2.5 and by["b"]["valid/loss"] == 1.2
-    assert by["a"]["optim.lr"] == "0.001" and by["a"]["absent"] is None and by["b"]["bleu/xx-en"] == 20
-    best = T.compare_runs("cmp", ["valid/loss"], project_dir=tmp_path, agg="min")
-    assert {r["run_name"]: r["valid/loss"] for r in best.rows} == {"a": 2.0, "b": 1.0}
-    text = str(last)
-    assert "run_name" in text.splitlines()[0] and "2.5" in text and "-" in text.splitlines()[-1]
-    with pytest.raises(ScaletrainError, match="no experiment"):
-        T.compare_runs("nope", ["x"], project_dir=tmp_path)
