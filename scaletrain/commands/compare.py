@@ -9,11 +9,11 @@ when it has one; ``--evaluation GLOB`` picks another by name).
     scaletrain compare runs/a runs/b --evaluation 'test.full.beam4.*'
     scaletrain compare --experiment scaletrain --metric train/grad_norm --param optim.lr
 
-The work is :mod:`scaletrain.compare`; the default local MLflow store is enough, no server needed.
+The work is :mod:`scaletrain.tracking.compare`; the default local MLflow store is enough, no server needed.
 """
 from __future__ import annotations
 
-from scaletrain.compare import FORMATS
+from scaletrain.tracking.compare import FORMATS
 
 
 def register(subparsers) -> None:
@@ -47,7 +47,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from scaletrain.compare import compare, load_runs, plot_comparison
+    from scaletrain.tracking.compare import compare, load_runs, plot_comparison
 
     runs = load_runs(args.runs, experiment=args.experiment, filter_string=args.filter, uri=args.uri,
                      project_dir=Path.cwd(), max_runs=args.max_runs, metrics=args.metric)

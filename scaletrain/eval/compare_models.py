@@ -267,7 +267,7 @@ def _table_stem(out: Path, texts: dict[str, str]) -> tuple[str, bool]:
 def write_table(out: Path, run_dirs: Sequence[Path]) -> tuple[list[Path], str]:
     """``scaletrain compare`` of the runs as Markdown, CSV and JSON, and its plot, under a name that
     overwrites nothing; returns the files written (none if the same table is there) and the Markdown."""
-    from scaletrain.compare import compare, load_runs, plot_comparison
+    from scaletrain.tracking.compare import compare, load_runs, plot_comparison
     from scaletrain.fileio import atomic_write_text
 
     runs = load_runs([str(d) for d in run_dirs], project_dir=out)

@@ -177,7 +177,7 @@ def write_record(result: dict, run_dir: str | Path, hyp_dir: str | Path | None =
         data = result_to_json(result)
         atomic_write_text(tmp / RESULT_FILE, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         try:
-            from scaletrain.plots import plot_eval_scores
+            from scaletrain.tracking.plots import plot_eval_scores
 
             plot_eval_scores(data, tmp / PLOT_FILE)
         except Exception as e:  # noqa: BLE001 - a plot must not lose an evaluation that already ran

@@ -260,7 +260,7 @@ class Trainer:
         is a warning, never a failed training."""
         if not self.cfg.tracking.enabled:
             return
-        from scaletrain.plots import plot_expert_usage, plot_learning_curves
+        from scaletrain.tracking import plot_expert_usage, plot_learning_curves
 
         title = self.tracker.run_name or f"{self.cfg.name} ({self.state.run_id or 'no run'})"
         for what, fn in (("learning curves", plot_learning_curves), ("expert usage", plot_expert_usage)):
@@ -343,8 +343,7 @@ class Trainer:
         uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
         if eng.local_rank != 0 or not self.state.run_id:
             return
-        from scaletrain.system_metrics import NodeSystemMetrics
-        from scaletrain.tracking import node_layout
+        from scaletrain.tracking import NodeSystemMetrics, node_layout
 
         node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
         try:

@@ -15,8 +15,7 @@ from tracking_server import Server  # tests/integration/tracking_server.py
 
 from helpers import DIST_DRIVER, ROOT, free_port, launcher_env
 
-from scaletrain.system_metrics import NodeSystemMetrics
-from scaletrain.tracking import node_layout
+from scaletrain.tracking import NodeSystemMetrics, node_layout
 
 CPU = "cpu_utilization_percentage"
 

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
 from scaletrain import tracking as T
+from scaletrain.tracking import tracker as tracker_module
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -20,7 +21,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             def forbidden(uri):
                 raise AssertionError("non-main rank opened MLflow")
 
-            T._client = forbidden
+            tracker_module.tracking_client = forbidden
         proj = Path(tmp) / "proj"
         tr = T.Tracker(None, "dist", "r", rank == 0, proj)
         started = tr.start(params={"world": world})

@@ -10,7 +10,7 @@ from mlflow.entities import ViewType
 from tracking_server import Server  # tests/integration/tracking_server.py
 
 from scaletrain import tracking as T
-from scaletrain.compare import compare, load_runs
+from scaletrain.tracking.compare import compare, load_runs
 from scaletrain.eval.records import EvalSpec, headline_tag
 
 

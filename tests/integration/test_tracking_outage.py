@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 from tracking_server import Server, _free_port  # tests/integration/tracking_server.py
 
 from scaletrain import tracking as T
+from scaletrain.errors import ScaletrainError
 
 pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # trains in this process
 
@@ -130,7 +131,7 @@ def test_unreachable_server_fails_fast_at_start_and_is_waited_for_at_resume(serv
     server once it is back."""
     dead = T.Tracker(f"http://127.0.0.1:{_free_port()}", "outage", "r", True, tmp_path, local_dir=tmp_path / "dead")
     t0 = time.monotonic()
-    with pytest.raises(T.ScaletrainError, match="unreachable at the start of the job"):
+    with pytest.raises(ScaletrainError, match="unreachable at the start of the job"):
         dead.start(params={"a": 1})
     assert time.monotonic() - t0 < 15
     first = T.Tracker(server.uri, "outage", "r", True, tmp_path, flush_every=1, local_dir=tmp_path / "a",

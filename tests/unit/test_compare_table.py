@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scaletrain.compare import Evaluation, RunData, compare, plot_comparison
+from scaletrain.tracking.compare import Evaluation, RunData, compare, plot_comparison
 
 
 def _scores(split, bleu, chrf=None):
@@ -114,7 +114,7 @@ def test_labels_use_the_run_name_with_its_short_id():
 
 
 def test_directions_are_told_from_groups():
-    from scaletrain.compare import is_direction_key
+    from scaletrain.tracking.compare import is_direction_key
 
     for k in ("test/bleu/de-en", "test/chrf/zh_Hans-en", "valid/bleu/en-ast", "test/chrf/pt-br-en",
               "test/chrf/en-zh-hant", "test/bleu/sr-latn-en", "test/chrf/es-419-en"):
@@ -161,7 +161,7 @@ def test_plot_reads_alone(tmp_path):
     with Image.open(plot_comparison([evaluated, zero, missing], tmp_path / "d.png")) as im:
         nll = json.loads(im.text["Description"])["axes"][1]
     assert sum(label.startswith("target-unigram NLL (") for label in nll["lines"]) == 3
-    from scaletrain.compare import _bar_groups
+    from scaletrain.tracking.compare import _bar_groups
 
     assert _bar_groups([evaluated.evaluation("test")]) == ["all", "xx2en"]  # halves of groups are left out
 
@@ -170,7 +170,7 @@ def test_old_records_still_show(tmp_path, monkeypatch):
     """A run evaluated before evaluations were named: its own test/* metrics are shown, labelled as an old
     record with what its eval_test.json says; nested evaluation runs are not listed as runs."""
     from scaletrain import tracking as T
-    from scaletrain.compare import load_runs
+    from scaletrain.tracking.compare import load_runs
     from scaletrain.eval.records import EvalSpec
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -206,7 +206,7 @@ def test_chosen_metrics_and_params_of_an_experiment(tmp_path, monkeypatch):
     run has no value, an experiment that does not exist named in one line."""
     from scaletrain import tracking as T
     from scaletrain.errors import ScaletrainError
-    from scaletrain.compare import load_runs
+    from scaletrain.tracking.compare import load_runs
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     for name, lr, losses in [("a", 1e-3, [3.0, 2.0, 2.5]), ("b", 5e-4, [4.0, 1.0, 1.2])]:

@@ -8,7 +8,7 @@ import json
 
 from PIL import Image
 
-from scaletrain.plots import plot_eval_scores, plot_learning_curves
+from scaletrain.tracking.plots import plot_eval_scores, plot_learning_curves
 
 
 def _journal(run, records):

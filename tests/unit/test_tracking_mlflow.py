@@ -112,7 +112,7 @@ def test_metrics_are_flushed_in_batches(tmp_path, template_db):
     tr2 = T.Tracker(None, "exp", None, True, tmp_path, flush_every=10_000, flush_secs=0.0)
     rid2 = tr2.start()
     tr2.log_metrics({"x": 1.0}, step=0)
-    assert tr2._sender.wait(timeout=60) and tr2.pending == 0 and c.get_run(rid2).data.metrics["x"] == 1.0
+    assert tr2.outbox.sender.wait(timeout=60) and tr2.pending == 0 and c.get_run(rid2).data.metrics["x"] == 1.0
     with pytest.raises(ScaletrainError, match="non-numeric"):
         tr2.log_metrics({"x": "abc"}, step=1)
     tr2.end()

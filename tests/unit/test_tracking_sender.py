@@ -13,7 +13,7 @@ from scaletrain import tracking as T
 
 
 def _flaky(tr):
-    real, down = tr._sender._execute, threading.Event()
+    real, down = tr.outbox.sender._execute, threading.Event()
     down.set()
 
     def execute(kind, payload):
@@ -21,7 +21,7 @@ def _flaky(tr):
             raise ConnectionError("connection refused")
         real(kind, payload)
 
-    tr._sender._execute = execute
+    tr.outbox.sender._execute = execute
     return down
 
 
@@ -39,7 +39,7 @@ def test_long_outage_bounded_memory_and_sync_fills_the_gap(tmp_path, monkeypatch
             tr.log_metrics({"loss": float(s)}, step=s)
         assert time.monotonic() - t0 < 2.0
         time.sleep(0.3)  # several retries
-        assert tr.server_failing and tr.pending <= 11 and tr._sender.dropped >= 39  # capped in memory
+        assert tr.server_failing and tr.pending <= 11 and tr.outbox.sender.dropped >= 39  # capped in memory
         down.clear()
         assert tr.end() is False  # the run ended, but some values are only in the journal
     msgs = [r.getMessage() for r in caplog.records]

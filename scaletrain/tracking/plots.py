@@ -19,7 +19,7 @@ Every plot says what it shows without its file name: a title, axes labelled with
 outside the data where they could hide it. Beside each PNG, a JSON file of the same name holds the numbers
 drawn and, under ``figure``, the figure's structure (:func:`figure_structure`: titles, axis labels, the
 labels of the lines, bars and texts); the PNG carries the same in its ``Title``/``Description`` text
-chunks. (Side-by-side plots of several runs: :func:`scaletrain.compare.plot_comparison`.)
+chunks. (Side-by-side plots of several runs: :func:`scaletrain.tracking.compare.plot_comparison`.)
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ import os
 import re
 from pathlib import Path
 
-from scaletrain.tracking import JOURNAL, read_journal
+from scaletrain.tracking.journal import JOURNAL, read_journal
 
 __all__ = ["plot_learning_curves", "plot_expert_usage", "plot_eval_scores", "routing_usage", "eval_scores",
-           "figure_structure", "save_figure", "token_unit", "CURVE_KEYS", "BASELINE_KEY"]
+           "figure_structure", "save_figure", "pyplot", "missing_bar", "curve_labels", "token_unit", "CURVE_KEYS",
+           "CURVE_TITLES", "SCORE_LABELS", "STEP_LABEL", "BASELINE_KEY"]
 
 CURVE_KEYS = ("train/loss", "valid/nll")
 BASELINE_KEY = "baseline/unigram_valid_nll"  # logged by the trainer (train/baseline.py)
@@ -95,7 +96,7 @@ def plot_learning_curves(run_dir: str | os.PathLike, path: str | os.PathLike | N
     series, baseline, unit = _series(journal)
     if not any(series.values()):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), dpi=dpi)
     ylabels = curve_labels(unit)
     for row, key in enumerate(CURVE_KEYS):
@@ -126,7 +127,8 @@ def plot_learning_curves(run_dir: str | os.PathLike, path: str | os.PathLike | N
     return out
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display; imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -227,7 +229,7 @@ def plot_expert_usage(run_dir: str | os.PathLike, path: str | os.PathLike | None
     usage = routing_usage(journal) if journal.is_file() else None
     if not usage or not usage["layers"]:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     layers = usage["layers"]
     n_langs = max(len(d["langs"]) for d in layers.values())
     fig, axes = plt.subplots(len(layers), 2, figsize=(10, 1.0 + (0.3 * n_langs + 0.5) * len(layers)), dpi=dpi,
@@ -307,7 +309,7 @@ def plot_eval_scores(eval_json: dict, path: str | os.PathLike, *, dpi: int = 100
     baseline as a lighter bar beside it, a group without a score hatched; titled with the evaluation's name
     and what it evaluated; ``path`` and ``path.json`` (:func:`eval_scores`)."""
     data = eval_scores(eval_json)
-    plt = _pyplot()
+    plt = pyplot()
     n = len(data["groups"])
     fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 0.55 * n + 2.5), 8), dpi=dpi, sharex=True)
     x = list(range(n))

@@ -4,13 +4,13 @@ The local rank 0 of every node starts one :class:`NodeSystemMetrics` (``tracking
 rank 0 created the run and broadcast its id and store. Every ``tracking.system_metrics_interval``
 seconds it samples MLflow's own system monitors (``mlflow.system_metrics``: CPU and system memory,
 disk, network, NVIDIA/AMD GPU when present; psutil) and logs them as
-``system/node<k>/<name>`` (``k`` = the node rank, :func:`scaletrain.tracking.node_layout`) at the
+``system/node<k>/<name>`` (``k`` = the node rank, :func:`node_layout`) at the
 current training step, plus a ``node<k>.host`` tag with the host name.
 
 MLflow's ``SystemMetricsMonitor`` returns from its thread for good after one failed call (and
 checks the run over the network every sample); here the sampling thread never talks to the network:
 it hands each sample to the same retrying background sender the tracker uses
-(:class:`scaletrain.tracking._Sender`: exponential backoff, one warning, the backlog sent when the
+(:class:`scaletrain.tracking.sender.Sender`: exponential backoff, one warning, the backlog sent when the
 server is back, bounded memory). So a monitor that loses the server keeps sampling and its samples
 reach the run once the server answers again. With ``journal_dir`` (training: ``<out_dir>/tracking/
 system/node<k>``) every sample is also appended to ``journal.jsonl`` there first, so ``scaletrain
@@ -19,14 +19,31 @@ tracking sync`` uploads what the server never got (e.g. the job ended during an 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
-import time
-from typing import Callable
+from typing import Callable, Mapping
+
+from scaletrain.tracking.journal import Journal, now_ms
+from scaletrain.tracking.sender import Sender
+from scaletrain.tracking.store import fast_failing_http, tracking_client
 
 log = logging.getLogger("scaletrain")
 
-__all__ = ["NodeSystemMetrics", "mlflow_monitors"]
+__all__ = ["NodeSystemMetrics", "mlflow_monitors", "node_layout"]
+
+
+def node_layout(rank: int, world_size: int, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this process's node rank, number of nodes) from the launcher's environment: the ``deepspeed``
+    launcher's ``CROSS_RANK``/``CROSS_SIZE``, torchrun's (and ``accelerate launch``'s) ``GROUP_RANK``/
+    ``GROUP_WORLD_SIZE``, else ``rank // local size`` with ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``."""
+    env = os.environ if env is None else env
+    for r_key, n_key in (("CROSS_RANK", "CROSS_SIZE"), ("GROUP_RANK", "GROUP_WORLD_SIZE")):
+        if env.get(r_key, "").isdigit() and env.get(n_key, "").isdigit():
+            return int(env[r_key]), max(1, int(env[n_key]))
+    local = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or ""
+    local_n = int(local) if local.isdigit() and int(local) > 0 else world_size
+    return rank // local_n, max(1, -(-world_size // local_n))
 
 
 def mlflow_monitors() -> list:
@@ -57,8 +74,6 @@ class NodeSystemMetrics:
     def __init__(self, uri: str, run_id: str, node_id: str, *, interval: float = 10.0,
                  step: Callable[[], int] | None = None, max_backoff: float = 30.0, host: str | None = None,
                  journal_dir=None):
-        from scaletrain.tracking import _fast_failing_http, _Journal
-
         self.uri, self.run_id, self.node_id = uri, run_id, node_id
         self.interval = float(interval)
         self.step = step or (lambda: 0)
@@ -70,15 +85,13 @@ class NodeSystemMetrics:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitors = mlflow_monitors()
-        self._journal = _Journal(journal_dir) if journal_dir is not None else None
-        _fast_failing_http(uri)
+        self._journal = Journal(journal_dir) if journal_dir is not None else None
+        fast_failing_http(uri)
 
     # runs on the sender thread
     def _execute(self, kind: str, payload) -> None:
         if self._client is None:
-            from mlflow import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self.uri)
+            self._client = tracking_client(self.uri)
         if kind == "metrics":
             self._client.log_batch(self.run_id, metrics=payload)
         elif kind == "tags":
@@ -89,9 +102,7 @@ class NodeSystemMetrics:
     def start(self) -> "NodeSystemMetrics":
         from mlflow.entities import RunTag
 
-        from scaletrain.tracking import _Sender
-
-        self._sender = _Sender(self._execute, max_backoff=self.max_backoff, name=f"-system-{self.node_id}",
+        self._sender = Sender(self._execute, max_backoff=self.max_backoff, name=f"-system-{self.node_id}",
                                max_queued=100_000)
         self._sender.submit("tags", [RunTag(f"{self.node_id}.host", self.host)])
         self._thread = threading.Thread(target=self._loop, name=f"scaletrain-system-{self.node_id}", daemon=True)
@@ -117,7 +128,7 @@ class NodeSystemMetrics:
         vals = self.sample()
         if not vals:
             return
-        ts, step = int(time.time() * 1000), int(self.step())
+        ts, step = now_ms(), int(self.step())
         if self._journal is not None:
             self._journal.append({"t": "m", "run_id": self.run_id, "s": step, "ts": ts, "v": vals})
         self._sender.submit("metrics", [Metric(k, v, ts, step) for k, v in vals.items()], size=len(vals))

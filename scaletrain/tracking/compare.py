@@ -40,8 +40,10 @@ from typing import Any, Iterable
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.eval.records import EVALUATION, KIND_TAG, TAG_PREFIX, headline_tag
-from scaletrain.plots import BASELINE_KEY
-from scaletrain.tracking import RUN_FILE, _client, evaluation_runs, resolve_tracking_uri, safe_key
+from scaletrain.tracking.evaluations import evaluation_runs
+from scaletrain.tracking.journal import RUN_FILE
+from scaletrain.tracking.plots import BASELINE_KEY
+from scaletrain.tracking.store import resolve_tracking_uri, safe_key, tracking_client
 
 __all__ = ["RunData", "Evaluation", "Comparison", "load_runs", "compare", "plot_comparison", "FORMATS"]
 
@@ -215,7 +217,7 @@ def load_runs(runs: Iterable[str] = (), *, experiment: str | None = None, filter
 
     def client(u: str):
         if u not in clients:
-            clients[u] = _client(u)
+            clients[u] = tracking_client(u)
         return clients[u]
 
     out: list[RunData] = []
@@ -373,7 +375,7 @@ def _bar_groups(chosen: list[Evaluation | None]) -> list[str]:
 
 
 def _curve_panels(axes, runs: list[RunData], colors, unit: str) -> None:
-    from scaletrain.plots import CURVE_TITLES, STEP_LABEL, curve_labels
+    from scaletrain.tracking.plots import CURVE_TITLES, STEP_LABEL, curve_labels
 
     ylabels = curve_labels(unit)
     bases = {r.metrics.get(BASELINE_KEY) for r in runs} - {None}
@@ -397,7 +399,7 @@ def _curve_panels(axes, runs: list[RunData], colors, unit: str) -> None:
 
 
 def _chrf_panel(ax, runs: list[RunData], colors, chosen: list[Evaluation | None], groups: list[str]) -> None:
-    from scaletrain.plots import SCORE_LABELS, missing_bar
+    from scaletrain.tracking.plots import SCORE_LABELS, missing_bar
 
     bw = 0.8 / max(len(runs), 1)
     vals = [[e.metrics.get(f"test/chrf/{g}") if e else None for g in groups] for e in chosen]
@@ -426,10 +428,10 @@ def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: floa
     shown test evaluation (as in :func:`compare`, ``evaluation`` a glob on its name) when any run has one,
     a run without one hatched "not evaluated". One legend below the panels names each run and the
     evaluation its bars come from. The PNG's text chunks hold the figure's structure
-    (:func:`scaletrain.plots.figure_structure`)."""
-    from scaletrain.plots import _pyplot, save_figure, token_unit
+    (:func:`scaletrain.tracking.plots.figure_structure`)."""
+    from scaletrain.tracking.plots import pyplot, save_figure, token_unit
 
-    plt = _pyplot()
+    plt = pyplot()
     chosen = [r.evaluation("test", evaluation) for r in runs]
     groups = _bar_groups(chosen)  # chrF rather than BLEU: it separates short or early runs whose BLEU is ~0
     units = {token_unit(r.params.get("data.tokenizer")) for r in runs}
