@@ -11,16 +11,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from scaletrain.tracking import last_logged_step
+
 log = logging.getLogger("scaletrain")
-
-
-def last_logged_step(journal: Path) -> int:
-    """The highest step with a metric record in the tracking journal (-1: none, or no journal)."""
-    from scaletrain.tracking import read_journal
-
-    if not Path(journal).is_file():
-        return -1
-    return max((int(r["s"]) for r in read_journal(journal) if r.get("t") == "m" and "s" in r), default=-1)
 
 
 class ReplayFilter:

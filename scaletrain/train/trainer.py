@@ -4,7 +4,9 @@
 the train step and the NMT unit (``unit.py``), the step logger, the evaluator, the early stopper and
 ``CheckpointManager.maybe_save``. Every counter lives in one :class:`TrainState` (``state.py``) that
 each checkpoint saves, so a resumed job continues its counters, its validation history, its best
-checkpoint, its MLflow run and its wall-clock budget.
+checkpoint, its MLflow run and its wall-clock budget. What the job records for MLflow besides its per-step
+metrics (the run, its tags and set-up artifacts, system metrics, checkpoints, plots, the end status) is the
+:class:`~scaletrain.train.recorder.RunRecorder`'s.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from scaletrain.checkpoint import CheckpointManager
-from scaletrain.config import Config, dump_yaml, flatten, to_dict
+from scaletrain.config import Config, dump_yaml
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import fetch_options, open_source
 from scaletrain.data.stream import ShardLoader, auto_num_workers
@@ -36,7 +38,7 @@ from scaletrain.train.nonfinite import NonfiniteGuard
 from scaletrain.train.sync_count import step_range
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
-from scaletrain.train.replay import ReplayFilter
+from scaletrain.train.recorder import RunRecorder
 from scaletrain.train.oom import OomPolicy
 from scaletrain.train.prefetch import Prefetcher
 from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
@@ -98,7 +100,8 @@ class Trainer:
         self.save_timer = SaveTimer(tc.save_every_minutes, self.state)
         self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
                                       on_save_error=tc.on_save_error)
-        self.tracker = ReplayFilter(self._make_tracker())  # re-done steps after a crash are not logged twice
+        self.recorder = RunRecorder(cfg, eng, self.out_dir)
+        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (ReplayFilter)
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
                                  byte_level=cfg.data.tokenizer == "byte",
@@ -113,7 +116,6 @@ class Trainer:
         self._pending: list = []  # (step, StepOutput, host batches, stream position) not yet read (_settle)
         self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
         self.preempted = False
-        self.system_metrics = None  # NodeSystemMetrics on each node's local rank 0 (fit)
 
     def _num_workers(self) -> int:
         nw = self.cfg.data.num_workers
@@ -150,7 +152,8 @@ class Trainer:
             (Path(self.out_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
         eng.barrier()
         self._resume()
-        self._start_tracking()
+        st.run_id = self.recorder.start(st.run_id, lambda: st.step, manifest=self.manifest,
+                                        vocab_size=self.vocab.size, param_counts=self.param_counts)
         baseline = self._baseline()
         if self.cfg.train.valid_every and st.step == 0:
             self.evaluator.validation_loss()  # the start of the validation curve
@@ -203,7 +206,7 @@ class Trainer:
         self.logger.after_step(out, got.wait)
         decision = self.stopper.update(self.evaluator.after_step())
         saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save or out.save_due)
-        self._record_checkpoint(saved)
+        self.recorder.record_checkpoint(saved, st.step)
         self.stopper.keep(saved, decision)
         return decision.stop
 
@@ -239,39 +242,17 @@ class Trainer:
         elif not st.valid_history or st.valid_history[-1][0] != st.step:
             self.evaluator.validation_loss()
         final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
-        self._record_checkpoint(final)
+        self.recorder.record_checkpoint(final, st.step)
         if self.preempted and self.engine.is_main:  # launch.sh reads it: the launchers exit 1 on a signal
             (Path(self.out_dir) / PREEMPTED_FILE).write_text(json.dumps(
                 {"step": st.step, "checkpoint": str(final), "signal": self.preemption.signal_name}))
-        self._stop_system_metrics(1.0 if self.preempted else None)  # training is over; close() stops it too
-        if self.engine.is_main:
-            self.tracker.log_metrics({"train/seconds": st.train_seconds, "train/steps": st.step}, step=st.step)
-            self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
-            self._plot()
+        self.recorder.finish(step=st.step, train_seconds=st.train_seconds, run_id=st.run_id,
+                             preempted=self.preempted)
         return TrainResult(
             steps=st.step, tokens=st.tokens_seen, valid_nll=list(st.valid_history),
             train_loss=list(self.logger.loss_history), unigram_nll=baseline, train_seconds=st.train_seconds,
             run_id=st.run_id, out_dir=str(self.out_dir), final_checkpoint=str(final), preempted=self.preempted,
         )
-
-    def _plot(self) -> None:
-        """Learning curves of the whole job and (MoCE) expert usage per language, from the tracking
-        journal, as PNGs (+ JSON of the numbers) in ``out_dir/plots`` and artifacts; a plotting failure
-        is a warning, never a failed training."""
-        if not self.cfg.tracking.enabled:
-            return
-        from scaletrain.tracking import plot_expert_usage, plot_learning_curves
-
-        title = self.tracker.run_name or f"{self.cfg.name} ({self.state.run_id or 'no run'})"
-        for what, fn in (("learning curves", plot_learning_curves), ("expert usage", plot_expert_usage)):
-            try:
-                png = fn(self.out_dir, title=title)
-            except Exception as e:  # noqa: BLE001
-                log.warning("could not plot the %s: %s", what, e)
-                continue
-            for f in (png, png.with_suffix(".json")) if png is not None else ():
-                if f.is_file():
-                    self.tracker.log_artifact(f, "plots")
 
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict:
@@ -284,11 +265,6 @@ class Trainer:
         """Where a resume reads on: before the first batches no update has used (read-ahead ones included)."""
         prefetcher = getattr(self, "prefetcher", None)
         return prefetcher.resume_position() if prefetcher is not None else self.stream.state_dict()
-
-    def _record_checkpoint(self, saved: Path | None) -> None:
-        """The run's checkpoints.json artifact (rank 0; a local write, the upload is in the background)."""
-        if saved is not None and self.engine.is_main and self.cfg.tracking.enabled:
-            self.tracker.log_checkpoint(saved, self.state.step)
 
     def save(self) -> Path:
         return self.ckpt.maybe_save(self.state.step, self._checkpoint_contents, force=True)
@@ -303,71 +279,9 @@ class Trainer:
         self.state.load_state_dict(trainer_state)
         self.stopper.restore()
         self.stream.load_state_dict(rank_state["stream"])
-        self.tracker.replaying_until(Path(self.out_dir) / "tracking" / "journal.jsonl", self.state.step)
+        self.recorder.resumed_at(self.state.step)
         if self.engine.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
-
-    def _make_tracker(self):
-        from scaletrain.tracking import Tracker, default_run_name
-
-        t, eng = self.cfg.tracking, self.engine
-        return Tracker(uri=t.uri or None, experiment=t.experiment,
-                       run_name=t.run_name or default_run_name(self.cfg.name, self.out_dir),
-                       is_main=eng.is_main and t.enabled, project_dir=Path.cwd(),
-                       local_dir=Path(self.out_dir) / "tracking", end_timeout=t.end_timeout)
-
-    def _start_tracking(self) -> None:
-        from scaletrain.tracking import broadcast_run_id
-
-        cfg, eng, resumed = self.cfg, self.engine, self.state.run_id
-        run_id = None
-        if eng.is_main and cfg.tracking.enabled:
-            if resumed:
-                run_id = self.tracker.resume(resumed)
-            else:
-                params = flatten(to_dict(cfg))
-                params.update({"world_size": eng.world_size, "vocab_size": self.vocab.size})
-                params.update({f"params.{k}": v for k, v in self.param_counts.items()})
-                run_id = self.tracker.start(params, tags=run_tags(cfg, eng, self.manifest))
-                self.tracker.log_text(dump_yaml(cfg), "config.yaml")
-                self._log_setup_artifacts()
-        self.state.run_id = broadcast_run_id(run_id, eng.is_main)
-        self._start_system_metrics()
-
-    def _start_system_metrics(self) -> None:
-        """One system-metrics sampler per node (its local rank 0), on the run rank 0 created, in rank 0's
-        store (collective: the store's URI is broadcast)."""
-        t, eng = self.cfg.tracking, self.engine
-        if not (t.enabled and t.system_metrics):
-            return
-        uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
-        if eng.local_rank != 0 or not self.state.run_id:
-            return
-        from scaletrain.tracking import NodeSystemMetrics, node_layout
-
-        node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
-        try:
-            self.system_metrics = NodeSystemMetrics(
-                uri, self.state.run_id, node, interval=t.system_metrics_interval, step=lambda: self.state.step,
-                journal_dir=Path(self.out_dir) / "tracking" / "system" / node).start()
-        except Exception as e:  # noqa: BLE001 - e.g. psutil missing: training goes on without them
-            log.warning("system metrics on %s not started: %s", node, e)
-
-    def _log_setup_artifacts(self) -> None:
-        """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
-        settings) and the shard manifest."""
-        cfg, eng = self.cfg, self.engine
-        ds_config = getattr(eng, "ds_config", None)
-        if isinstance(ds_config, dict):
-            self.tracker.log_dict(ds_config, "engine/ds_config.json")
-        if cfg.engine.backend == "accelerate":
-            self.tracker.log_dict({"accelerate": cfg.engine.accelerate, "mixed_precision": cfg.engine.precision,
-                                   "gradient_accumulation_steps": cfg.engine.grad_accum,
-                                   "num_processes": eng.world_size, "zero_stage": getattr(eng, "zero_stage", 0)},
-                                  "engine/accelerate.yaml")
-        manifest = Path(cfg.data.shards) / "manifest.json"
-        if manifest.is_file():
-            self.tracker.log_artifact(manifest, "data")
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
@@ -381,71 +295,12 @@ class Trainer:
             self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.state.step)
         return base_nll
 
-    def _stop_system_metrics(self, timeout: float | None = None) -> None:
-        """Last sample; waits at most ``timeout`` s (default min(10, end_timeout)) for the server (the samples
-        are journaled for ``tracking sync`` either way)."""
-        if self.system_metrics is not None:
-            self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout) if timeout is None else timeout)
-            self.system_metrics = None
-
     def close(self, status: str = "FINISHED") -> None:
         self.logger.progress.close()
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
-            self._stop_system_metrics()
-            self.tracker.end("KILLED" if self.preempted and status == "FINISHED" else status)
+            self.recorder.close("KILLED" if self.preempted and status == "FINISHED" else status)
         finally:
             self.preemption.uninstall()
-
-
-def _git_commit(where: Path) -> str | None:
-    import subprocess
-
-    try:
-        r = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
-
-
-def run_tags(cfg: Config, engine: Engine, manifest) -> dict[str, str]:
-    """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions)."""
-    import importlib.metadata as md
-
-    import scaletrain
-    from scaletrain.fileio import sha256_bytes
-    from scaletrain.tracking import node_layout
-
-    m, e = cfg.model, cfg.engine
-    world = engine.world_size
-    tags: dict[str, object] = {
-        "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
-        "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
-        "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
-        "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
-    }
-    if cfg.moe.enabled():
-        tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.ep_size": cfg.moe.ep_size,
-                     "moe.every": cfg.moe.every, "moe.capacity_factor": cfg.moe.capacity_factor})
-    if m.arch == "moce":
-        tags["moce.delta"] = len(m.conv.kernels) - 1  # experts = kernels {0, 1, 3, ..., 2Δ-1}, E = Δ + 1
-        tags["moce.lid"] = m.moce.lid
-        tags["moce.top_k"] = m.moce.top_k
-    shards = Path(cfg.data.shards)
-    src = manifest.source if isinstance(manifest.source, dict) else {}
-    tags["corpus"] = src.get("name") or src.get("package") or shards.resolve().name
-    if (shards / "manifest.json").is_file():
-        tags["corpus.manifest_sha256"] = sha256_bytes((shards / "manifest.json").read_bytes())
-    commit = _git_commit(Path.cwd())
-    if commit:
-        tags["git_commit"] = commit
-    tags["version.scaletrain"] = scaletrain.__version__
-    tags["version.torch"] = torch.__version__
-    for pkg in ("deepspeed", "accelerate", "mlflow"):
-        try:
-            tags[f"version.{pkg}"] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return {k: str(v) for k, v in tags.items()}
 
 
 def train(cfg: Config) -> TrainResult:

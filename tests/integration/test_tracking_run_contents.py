@@ -84,7 +84,7 @@ def test_training_run_has_tags_artifacts_and_system_metrics(django_shards, tmp_p
 
 def test_moce_tags_name_delta_and_lid():
     from scaletrain.config import load_config
-    from scaletrain.train.trainer import run_tags
+    from scaletrain.train.recorder import run_tags
 
     cfg = load_config("moce_d4_lid", [])
     engine = SimpleNamespace(world_size=4, zero_stage=2)
@@ -96,7 +96,7 @@ def test_moce_tags_name_delta_and_lid():
 @pytest.mark.parametrize("local,nodes", [("2", "2"), ("4", "1")])
 def test_nodes_from_local_world_size(monkeypatch, local, nodes):
     from scaletrain.config import load_config
-    from scaletrain.train.trainer import run_tags
+    from scaletrain.train.recorder import run_tags
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     tags = run_tags(load_config("small", []), SimpleNamespace(world_size=4), SimpleNamespace(source={}))

@@ -88,3 +88,31 @@ def test_only_the_engine_package_imports_deepspeed():
             if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
                 outside.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert not outside, f"DeepSpeed imported outside scaletrain/engine/: {outside}"
+
+
+def _unit(dotted: str) -> str:
+    """The package (or top-level module) of ``scaletrain`` a dotted module name belongs to."""
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_private_name_is_imported_from_another_package():
+    """A name shared between packages is public (with a docstring); ``_private`` names stay in their package."""
+    found = []
+    for p in _sources():
+        rel = p.relative_to(ROOT).with_suffix("")
+        importer = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        base = importer if rel.name == "__init__" else importer.rpartition(".")[0]
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = node.module or ""
+            if node.level:  # relative: resolve against the importing package
+                up = base.split(".")[: len(base.split(".")) - node.level + 1]
+                source = ".".join([*up, *([source] if source else [])])
+            if source.split(".")[0] != "scaletrain" or _unit(source) == _unit(importer):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{p.relative_to(ROOT)}:{node.lineno} imports {alias.name} from {source}")
+    assert not found, "private names imported across packages (make them public or move the code):\n" + "\n".join(found)

@@ -30,7 +30,9 @@ class SignallingEngine(SkippingEngine):
         return info
 
 
-class Recorder:
+class EndSpy:
+    """The run recorder's tracker, noting the status the run ended with."""
+
     def __init__(self, inner):
         self.inner, self.ended = inner, None
 
@@ -49,12 +51,12 @@ def test_signal_checkpoints_at_the_next_step_and_resume_continues(django_shards,
     over = [*TINY, f"data.shards={django_shards}", f"train.out_dir={tmp_path}", "train.max_steps=6"]
     cfg = load_config("small", over)
     t = Trainer(cfg, engine=SignallingEngine(cfg, signum, at=3))
-    t.tracker = Recorder(t.tracker)
+    t.recorder.tracker = EndSpy(t.recorder.tracker)
     before = signal.getsignal(signum)
     res = t.fit()
     t.close()
     assert res.preempted and res.steps == 3 and t.engine.updates == 3
-    assert t.tracker.ended == "KILLED"
+    assert t.recorder.tracker.ended == "KILLED"
     assert res.final_checkpoint.endswith("step-0000003") and (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-0000003"
     assert signal.getsignal(signum) is before  # handlers restored
     t2 = Trainer(cfg, engine=SignallingEngine(cfg))

@@ -1,0 +1,211 @@
+"""The MLflow record of a training job: everything the trainer records besides its per-step metrics.
+
+:class:`RunRecorder` owns the job's :class:`~scaletrain.tracking.Tracker`, wrapped in a
+:class:`~scaletrain.train.replay.ReplayFilter` so the steps a resumed job trains again after a crash are not
+logged twice. The step logger and the evaluator log their metrics through :attr:`RunRecorder.tracker`; the
+recorder does the rest:
+
+* the run (:meth:`~RunRecorder.start`, a collective): created on rank 0 with the flattened config, the world
+  and vocabulary sizes and the parameter counts as params and :func:`run_tags` as tags, or resumed from the
+  checkpoint's run id; every rank learns the id;
+* the set-up artifacts of a new run: ``config.yaml``, the engine's resolved settings (the DeepSpeed JSON
+  with its batch sizes filled, or the accelerate settings) and the shard manifest;
+* one system-metrics sampler per node (its local rank 0), in rank 0's store;
+* each written checkpoint in the run's ``checkpoints.json`` (:meth:`~RunRecorder.record_checkpoint`);
+* at the end (:meth:`~RunRecorder.finish`, :meth:`~RunRecorder.close`): the job's training seconds and steps,
+  the learning-curve and expert-usage plots (a plotting failure is a warning), the end status.
+
+With ``tracking.enabled=false`` the tracker is a no-op one on every rank and nothing here talks to MLflow.
+Layer: :mod:`scaletrain.tracking`, the config and the engine's public API (rank, ``broadcast_object``); the
+trainer reaches MLflow only through this module.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Mapping
+
+from scaletrain.config import Config, dump_yaml, flatten, to_dict
+from scaletrain.tracking import (JOURNAL, NodeSystemMetrics, Tracker, broadcast_run_id, default_run_name,
+                                 node_layout, plot_expert_usage, plot_learning_curves)
+from scaletrain.train.replay import ReplayFilter
+
+log = logging.getLogger("scaletrain")
+
+__all__ = ["RunRecorder", "run_tags"]
+
+
+class RunRecorder:
+    """The MLflow record of the job training ``cfg`` on ``engine`` into ``out_dir`` (made on every rank;
+    only rank 0's tracker writes, and each node's local rank 0 samples its system metrics)."""
+
+    def __init__(self, cfg: Config, engine, out_dir):
+        self.cfg, self.engine = cfg, engine
+        self.out_dir = Path(out_dir)
+        t = cfg.tracking
+        self.enabled = bool(t.enabled)
+        self.tracker = ReplayFilter(Tracker(
+            uri=t.uri or None, experiment=t.experiment, run_name=t.run_name or default_run_name(cfg.name, out_dir),
+            is_main=engine.is_main and t.enabled, project_dir=Path.cwd(), local_dir=self.out_dir / "tracking",
+            end_timeout=t.end_timeout))
+        self.system_metrics: NodeSystemMetrics | None = None
+
+    def resumed_at(self, step: int) -> None:
+        """The job resumed from a checkpoint of ``step``: the steps after it that the journal already has are
+        trained again, not logged again."""
+        self.tracker.replaying_until(self.out_dir / "tracking" / JOURNAL, step)
+
+    # ---- the start ------------------------------------------------------------------------------
+    def start(self, resumed_run_id: str | None, step: Callable[[], int], *, manifest, vocab_size: int,
+              param_counts: Mapping[str, int]) -> str | None:
+        """Collective: resume ``resumed_run_id`` (the checkpoint's) or create the run with its params, tags
+        and set-up artifacts (rank 0); give every rank the run id; start this node's system-metrics sampler
+        (logging at ``step()``). Returns the run id (None with tracking off)."""
+        cfg, eng = self.cfg, self.engine
+        run_id = None
+        if eng.is_main and self.enabled:
+            if resumed_run_id:
+                run_id = self.tracker.resume(resumed_run_id)
+            else:
+                params = flatten(to_dict(cfg))
+                params.update({"world_size": eng.world_size, "vocab_size": vocab_size})
+                params.update({f"params.{k}": v for k, v in param_counts.items()})
+                run_id = self.tracker.start(params, tags=run_tags(cfg, eng, manifest))
+                self.tracker.log_text(dump_yaml(cfg), "config.yaml")
+                self._log_setup_artifacts()
+        run_id = broadcast_run_id(run_id, eng.is_main)
+        self._start_system_metrics(run_id, step)
+        return run_id
+
+    def _log_setup_artifacts(self) -> None:
+        """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
+        settings) and the shard manifest."""
+        cfg, eng = self.cfg, self.engine
+        ds_config = getattr(eng, "ds_config", None)
+        if isinstance(ds_config, dict):
+            self.tracker.log_dict(ds_config, "engine/ds_config.json")
+        if cfg.engine.backend == "accelerate":
+            self.tracker.log_dict({"accelerate": cfg.engine.accelerate, "mixed_precision": cfg.engine.precision,
+                                   "gradient_accumulation_steps": cfg.engine.grad_accum,
+                                   "num_processes": eng.world_size, "zero_stage": getattr(eng, "zero_stage", 0)},
+                                  "engine/accelerate.yaml")
+        manifest = Path(cfg.data.shards) / "manifest.json"
+        if manifest.is_file():
+            self.tracker.log_artifact(manifest, "data")
+
+    def _start_system_metrics(self, run_id: str | None, step: Callable[[], int]) -> None:
+        """One system-metrics sampler per node (its local rank 0), on the run rank 0 created, in rank 0's
+        store (collective: the store's URI is broadcast)."""
+        t, eng = self.cfg.tracking, self.engine
+        if not (t.enabled and t.system_metrics):
+            return
+        uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
+        if eng.local_rank != 0 or not run_id:
+            return
+        node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
+        try:
+            self.system_metrics = NodeSystemMetrics(
+                uri, run_id, node, interval=t.system_metrics_interval, step=step,
+                journal_dir=self.out_dir / "tracking" / "system" / node).start()
+        except Exception as e:  # noqa: BLE001 - e.g. psutil missing: training goes on without them
+            log.warning("system metrics on %s not started: %s", node, e)
+
+    # ---- during the job -------------------------------------------------------------------------
+    def record_checkpoint(self, saved: Path | None, step: int) -> None:
+        """Add a written checkpoint to the run's ``checkpoints.json`` artifact (rank 0; a local write, the
+        upload is in the background). ``saved`` None: nothing was written."""
+        if saved is not None and self.engine.is_main and self.enabled:
+            self.tracker.log_checkpoint(saved, step)
+
+    # ---- the end --------------------------------------------------------------------------------
+    def finish(self, *, step: int, train_seconds: float, run_id: str | None, preempted: bool) -> None:
+        """Training is over (the final checkpoint is written): this node's last system-metrics sample (waiting
+        1 s at most when preempted: the grace period is short), then on rank 0 the job's training seconds and
+        steps, handed to the sender without waiting, and the plots."""
+        self.stop_system_metrics(1.0 if preempted else None)
+        if self.engine.is_main:
+            self.tracker.log_metrics({"train/seconds": train_seconds, "train/steps": step}, step=step)
+            self.tracker.flush(timeout=0)  # hand over, never wait: the server may be down
+            self.plot(run_id)
+
+    def plot(self, run_id: str | None) -> None:
+        """Learning curves of the whole job and (MoCE) expert usage per language, from the tracking
+        journal, as PNGs (+ JSON of the numbers) in ``out_dir/plots`` and artifacts; a plotting failure
+        is a warning, never a failed training."""
+        if not self.enabled:
+            return
+        title = self.tracker.run_name or f"{self.cfg.name} ({run_id or 'no run'})"
+        for what, fn in (("learning curves", plot_learning_curves), ("expert usage", plot_expert_usage)):
+            try:
+                png = fn(self.out_dir, title=title)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not plot the %s: %s", what, e)
+                continue
+            for f in (png, png.with_suffix(".json")) if png is not None else ():
+                if f.is_file():
+                    self.tracker.log_artifact(f, "plots")
+
+    def stop_system_metrics(self, timeout: float | None = None) -> None:
+        """Last sample; waits at most ``timeout`` s (default min(10, end_timeout)) for the server (the samples
+        are journaled for ``tracking sync`` either way)."""
+        if self.system_metrics is not None:
+            self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout) if timeout is None else timeout)
+            self.system_metrics = None
+
+    def close(self, status: str) -> None:
+        """End the record: stop the system-metrics sampler, end the run with ``status`` (FINISHED, FAILED or
+        KILLED), waiting at most ``tracking.end_timeout`` for the server."""
+        self.stop_system_metrics()
+        self.tracker.end(status)
+
+
+def _git_commit(where: Path) -> str | None:
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
+    """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions)."""
+    import importlib.metadata as md
+
+    import torch
+
+    import scaletrain
+    from scaletrain.fileio import sha256_bytes
+
+    m, e = cfg.model, cfg.engine
+    world = engine.world_size
+    tags: dict[str, object] = {
+        "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
+        "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
+        "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
+        "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
+    }
+    if cfg.moe.enabled():
+        tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.ep_size": cfg.moe.ep_size,
+                     "moe.every": cfg.moe.every, "moe.capacity_factor": cfg.moe.capacity_factor})
+    if m.arch == "moce":
+        tags["moce.delta"] = len(m.conv.kernels) - 1  # experts = kernels {0, 1, 3, ..., 2Δ-1}, E = Δ + 1
+        tags["moce.lid"] = m.moce.lid
+        tags["moce.top_k"] = m.moce.top_k
+    shards = Path(cfg.data.shards)
+    src = manifest.source if isinstance(manifest.source, dict) else {}
+    tags["corpus"] = src.get("name") or src.get("package") or shards.resolve().name
+    if (shards / "manifest.json").is_file():
+        tags["corpus.manifest_sha256"] = sha256_bytes((shards / "manifest.json").read_bytes())
+    commit = _git_commit(Path.cwd())
+    if commit:
+        tags["git_commit"] = commit
+    tags["version.scaletrain"] = scaletrain.__version__
+    tags["version.torch"] = torch.__version__
+    for pkg in ("deepspeed", "accelerate", "mlflow"):
+        try:
+            tags[f"version.{pkg}"] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return {k: str(v) for k, v in tags.items()}
