@@ -85,8 +85,7 @@ def test_resume_refuses_a_planted_payload_in_every_file(runs, django_shards, tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in ENGINES if ENGINES[n][2]])
 def test_inference_loaders_refuse_a_planted_payload(runs, tmp_path, name):
-    from scaletrain.checkpoint import load_for_inference
-    from scaletrain.checkpoint_tools import average_checkpoints, export_checkpoint
+    from scaletrain.checkpoint import average_checkpoints, export_checkpoint, load_for_inference
     from scaletrain.errors import ScaletrainError
 
     for f in ENGINES[name][2]:
