@@ -320,14 +320,18 @@ class Tracker:
         dest.parent.mkdir(parents=True, exist_ok=True)
         return dest
 
-    def log_dict(self, data: Mapping[str, Any] | Sequence, artifact_file: str) -> None:
-        """Store ``data`` as a JSON (``.json``) or YAML (``.yaml``/``.yml``) artifact."""
-        if not self.is_main:
-            return
-        run_id = self._require_run("log_dict")
+    def _artifact_dest(self, what: str, kind: str, data: Any, artifact_file: str) -> Path | None:
+        """Where ``artifact_file`` is written before its upload (``local_dir/artifacts``); without a
+        ``local_dir`` the operation (``kind``, ``data``) is queued for the sender as it is, and None returned."""
+        run_id = self._require_run(what)
         dest = self._local_artifact(artifact_file)
         if dest is None:
-            self.outbox.send("dict", (run_id, data, artifact_file))
+            self.outbox.send(kind, (run_id, data, artifact_file))
+        return dest
+
+    def log_dict(self, data: Mapping[str, Any] | Sequence, artifact_file: str) -> None:
+        """Store ``data`` as a JSON (``.json``) or YAML (``.yaml``/``.yml``) artifact."""
+        if not self.is_main or self._artifact_dest("log_dict", "dict", data, artifact_file) is None:
             return
         if artifact_file.endswith((".yaml", ".yml")):
             import yaml
@@ -338,12 +342,11 @@ class Tracker:
         self.log_text(text, artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the artifact ``artifact_file``."""
         if not self.is_main:
             return
-        run_id = self._require_run("log_text")
-        dest = self._local_artifact(artifact_file)
+        dest = self._artifact_dest("log_text", "text", text, artifact_file)
         if dest is None:
-            self.outbox.send("text", (run_id, text, artifact_file))
             return
         dest.write_text(text, encoding="utf-8")
         self.log_artifact(dest, str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None)
