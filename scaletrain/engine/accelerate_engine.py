@@ -14,7 +14,7 @@ Expert parallelism (moe.ep_size > 1), DDP: the expert parameters are given to DD
 ignore (``_ddp_params_and_buffers_to_ignore``: no all-reduce, no start-up broadcast of rank 0's
 experts); at the update their gradients are summed over the expert-data-parallel group / W and the
 clip norm counts each expert once (``scaletrain.parallel.grads``). The DeepSpeed plugin: as the
-DeepSpeed engine (ZeRO-0/1/2, fp32; ``deepspeed_driver``).
+DeepSpeed engine (ZeRO-0 in fp32 or bf16, ZeRO-1/2; ``deepspeed_driver``).
 """
 from __future__ import annotations
 

@@ -134,8 +134,12 @@ class DeepSpeedDriver:
         if self.ep.active:
             if ds_engine.zero_optimization_stage() not in (0, 1, 2) or ds_engine.fp16_enabled() \
                     or (self.own_ep and ds_engine.bfloat16_enabled()):
-                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 (README, "
-                                      "'Expert parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
+                # ZeRO-0 with DeepSpeed's own bf16/fp16 optimizer (FP16_UnfusedOptimizer) would copy rank 0's
+                # experts into its fp32 master weights (ds_config._expert_parallel_refusal); bf16 at ZeRO-0
+                # reaches DeepSpeed as torch autocast (ds_config.runtime_ds_config) and passes here
+                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0/1/2 in fp32 or bf16, with bf16 at "
+                                      "ZeRO-0 as torch autocast (docs/EXPERT_PARALLEL.md); use "
+                                      "engine.ds_config=zero0.json engine.precision=bf16 or fp32")
             if not self.own_ep and not getattr(ds_engine, "has_moe_layers", False):
                 raise ScaletrainError("DeepSpeed did not take the expert parameters (build the engine inside "
                                       "scaletrain.engine.deepspeed_driver.expert_setup)")
