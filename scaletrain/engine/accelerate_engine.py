@@ -144,16 +144,17 @@ class AccelerateEngine(Engine):
         else:
             self.model.train(mode)
 
-    def forward(self, src, tgt_in):
-        if self._ds is None and self.model.training and torch.is_grad_enabled():
+    def forward(self, src, tgt_in, src_padded: bool = True):
+        if self._ds is not None:
+            return self._ds.forward(src, tgt_in, src_padded)
+        if self.model.training and torch.is_grad_enabled():
             # DDP reads no_sync at forward time: enter the accumulation context here, leave after backward.
             if self._ctx is not None:
                 raise RuntimeError("AccelerateEngine.forward called twice without backward")
             self._ctx = contextlib.ExitStack()
             self._ctx.enter_context(self.acc.accumulate(self.model))
-        if self._ds is None:
-            cudagraph_step_begin(self._cudagraphs and self.model.training)
-        return self.model(src, tgt_in)
+        cudagraph_step_begin(self._cudagraphs and self.model.training)
+        return self.model(src, tgt_in, src_padded=src_padded)
 
     def backward(self, loss):
         if self._ds is not None:

@@ -175,9 +175,9 @@ class DeepSpeedDriver:
     def train(self, mode: bool) -> None:
         self.e.train(mode)
 
-    def forward(self, src, tgt_in):
+    def forward(self, src, tgt_in, src_padded: bool = True):
         cudagraph_step_begin(self.cudagraphs and self.e.module.training)
-        return self.e(src, tgt_in)
+        return self.e(src, tgt_in, src_padded=src_padded)
 
     def backward(self, loss) -> None:
         self.e.backward(loss)
