@@ -13,27 +13,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import IN_PROCESS_ENGINES, reset_accelerate, tiny_model
 from scaletrain.config import load_config
 from scaletrain.data.batch import Batch, Example, collate
 from scaletrain.models.kernels import SdpaKernels
 
 pytestmark = [pytest.mark.usefixtures("in_process_training", "isolated_env", "fresh_accelerate"), pytest.mark.slow]
 
-BASE = [*tiny_model(), "model.kernels=torch", "data.max_bytes=40", "data.max_tokens=600", "optim.lr=3e-3", "optim.warmup_steps=1", "train.valid_every=0",
-        "train.save_every=0", "train.resume=false", "tracking.enabled=false", "engine.threads=1",
-        "engine.precision=fp32", "engine.compile=false"]
-ENGINES = {
-    "deepspeed": ["engine.backend=deepspeed", "engine.ds_config=zero0.json"],
-    "accelerate": ["engine.backend=accelerate", "engine.accelerate=ddp"],
-    "accelerate-deepspeed": ["engine.backend=accelerate", "engine.accelerate=deepspeed", "engine.ds_config=zero0.json"],
-}
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
+BASE = [*tiny_model(), "model.kernels=torch", "data.max_bytes=40", "data.max_tokens=600", "optim.lr=3e-3",
+        "optim.warmup_steps=1", "train.valid_every=0", "train.save_every=0", "train.resume=false",
+        "tracking.enabled=false", "engine.threads=1", "engine.precision=fp32", "engine.compile=false"]
+ENGINES = IN_PROCESS_ENGINES
 
 
 def _trainer(shards, out, engine: str, *over: str):
@@ -87,7 +77,7 @@ def test_unpadded_batch_trains_without_a_mask_and_like_the_masked_path(django_sh
         nll = validation_loss(tr.engine, tr.unit, [batch], 1)
     assert len(k.calls) == 3 and not any(_masked(k.calls)), k.calls
     tr.close()
-    _reset_accelerate()
+    reset_accelerate()
 
     monkeypatch.setattr(Batch, "src_padded", property(lambda self: True))  # the masked path, same batch
     tr = _trainer(django_shards, tmp_path / "masked", engine)
@@ -95,7 +85,7 @@ def test_unpadded_batch_trains_without_a_mask_and_like_the_masked_path(django_sh
     assert _masked(calls_m) == [True, False, True], calls_m  # encoder self-attention, decoder, cross
     nll_m = validation_loss(tr.engine, tr.unit, [batch], 1)
     tr.close()
-    _reset_accelerate()
+    reset_accelerate()
     assert loss == pytest.approx(loss_m, rel=1e-6) and nll == pytest.approx(nll_m, rel=1e-6)
     for n, p in params_m.items():
         torch.testing.assert_close(params[n], p, rtol=1e-5, atol=1e-7, msg=n)
