@@ -182,7 +182,7 @@ def make_opus(work: Path, n: int) -> Path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_data_memory import real_pairs, write_corpus
 
-    from scaletrain.data.prepare import prepare_opus100
+    from scaletrain.prepare import prepare_opus100
 
     root, out = work / "opus_src", work / "opus"
     write_corpus(root, n, real_pairs())
@@ -218,7 +218,7 @@ def main() -> None:
     work = Path(a.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    from scaletrain.data.prepare import prepare_gettext
+    from scaletrain.prepare import prepare_gettext
 
     corpora = {"django": prepare_gettext(out=work / "django", progress=False) and work / "django",
                "opus": make_opus(work, a.pairs)}

@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scaletrain.data.prepare import prepare_gettext  # noqa: E402
+from scaletrain.prepare import prepare_gettext  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402
 from scaletrain.data.stream import ShardStream  # noqa: E402
-from scaletrain.data.spm_train import add_spm_model  # noqa: E402
+from scaletrain.prepare import add_spm_model  # noqa: E402
 from scaletrain.vocab import load_vocab  # noqa: E402
 
 

@@ -5,7 +5,7 @@
     {"type": "spm", "file": "spm<N>.model", "vocab_size": N, "sha256": ..., "params": {...},
      "lengths": {split: {"file": "spm<N>.<split>.lengths.npy", "sha256": ..., "n": ..., "dtype": ...}}}
 
-Written by ``scaletrain.data.spm_train.add_spm_model``; read here (``find_spm_model`` for
+Written by ``scaletrain.prepare.spm_train.add_spm_model``; read here (``find_spm_model`` for
 ``scaletrain.vocab.load_vocab``, ``load_token_lengths`` for the stream). Needs no vocabulary code.
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ tokenized once per window (SentencePiece batch encoding); everything above then 
 lengths: buckets, the budget (padded subword tokens of source and target) and truncation
 (``max_bytes`` caps tokens per side). The plan of every slot needs the token lengths of every
 slot's examples: they come from the lengths files written with the model (``spm<N>.<split>.lengths.npy``,
-see ``scaletrain.data.spm_train``), so a rank tokenizes only its own blocks (and checks them against those
+see ``scaletrain.prepare.spm_train``), so a rank tokenizes only its own blocks (and checks them against those
 files); without the files every slot's blocks are tokenized (correct, slower for many slots).
 Memory stays one window: the ids of the rank's own examples.
 

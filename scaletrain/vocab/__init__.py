@@ -10,7 +10,7 @@ Nothing else in the project hard-codes an id. The subword baseline's vocabulary
 
 Modules: ``base`` (the shared ids, ``LanguageTags``, UTF-8 decoding), ``byte`` (``ByteVocab``),
 ``subword`` (``SubwordVocab``). Training a SentencePiece model is the data package's job
-(``scaletrain.data.spm_train``); the manifest's record of the models is ``scaletrain.data.spm_models``.
+(``scaletrain.prepare.spm_train``); the manifest's record of the models is ``scaletrain.data.spm_models``.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from scaletrain.checkpoint import load_for_inference, save_vocab_files
 from scaletrain.config import dump_yaml, load_config
 from scaletrain.data.batch import collate
 from scaletrain.data.shards import load_manifest, read_split
-from scaletrain.data.spm_train import add_spm_model
+from scaletrain.prepare import add_spm_model
 from scaletrain.models import build_model
 from scaletrain.vocab import ByteVocab, load_vocab
 

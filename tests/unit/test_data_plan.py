@@ -199,7 +199,7 @@ def test_loader_with_one_worker_process_equals_stream(tmp_path):
 
 
 def test_prepare_argument_defaults_match_the_library():
-    from scaletrain.data import prepare, prepare_args
+    from scaletrain.prepare import args, build
 
-    assert prepare_args._SHARD_LINES == prepare.PARALLEL_SHARD_LINES
-    assert prepare_args._BLOCK_SIZE == prepare.PARALLEL_BLOCK_SIZE
+    assert args._SHARD_LINES == build.PARALLEL_SHARD_LINES
+    assert args._BLOCK_SIZE == build.PARALLEL_BLOCK_SIZE

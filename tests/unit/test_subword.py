@@ -20,7 +20,7 @@ from scaletrain.data.inspect_shards import verify
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.data.stream import ShardLoader, ShardStream, _pack, _unpack
 from scaletrain.errors import ScaletrainError
-from scaletrain.data.spm_train import add_spm_model, iter_train_sentences, train_spm_bytes
+from scaletrain.prepare.spm_train import add_spm_model, iter_train_sentences, train_spm_bytes
 from scaletrain.vocab import BOS, EOS, LANG_OFFSET, PAD, UNK, ByteVocab, SubwordVocab, load_vocab
 
 N = 600  # smallest round size that holds 4 specials + 256 bytes + the 5 test languages' characters at 0.98

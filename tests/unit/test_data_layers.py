@@ -1,0 +1,34 @@
+"""The layers of the data side: offline preparation (``scaletrain.prepare``) sits above what training reads
+(``scaletrain.data``), which sits above the id layout (``scaletrain.vocab``). Imports only run downwards,
+those inside functions counted too (the import graph of ``test_import_cycles``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from helpers import ROOT
+from test_import_cycles import import_graph
+
+
+def _imports_from(graph: dict, package: str, forbidden: str) -> list[str]:
+    """``module -> imported module`` for every import of ``forbidden`` (or below it) by ``package``."""
+    inside = lambda m, p: m == p or m.startswith(p + ".")  # noqa: E731
+    return [f"{m} -> {t}" for m, edges in sorted(graph.items()) if inside(m, package)
+            for t in sorted(edges) if inside(t, forbidden)]
+
+
+def test_training_data_never_imports_preparation():
+    graph = import_graph(ROOT, "scaletrain")
+    assert "scaletrain.prepare.build" in graph and "scaletrain.data.shards" in graph
+    assert not _imports_from(graph, "scaletrain.data", "scaletrain.prepare")
+
+
+def test_the_cli_parser_does_not_load_the_readers():
+    """``scaletrain.prepare.args`` (imported to build every command's parser) loads neither the corpus readers
+    beyond its gettext constants nor numpy."""
+    script = ("import sys\nimport scaletrain.prepare.args\n"
+              "print(sorted(m for m in ('numpy', 'scaletrain.prepare.build', 'scaletrain.data') if m in sys.modules))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
