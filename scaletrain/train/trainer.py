@@ -23,6 +23,7 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import fetch_options, open_source
+from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.data.stream import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
@@ -40,7 +41,6 @@ from scaletrain.train.replay import ReplayFilter
 from scaletrain.train.oom import OomPolicy
 from scaletrain.train.prefetch import Prefetcher
 from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
-from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")
 MAX_PENDING = 64  # updates whose device values wait for a read at most (their host batches are kept for the dumps)
@@ -76,7 +76,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
         self.manifest = load_manifest(open_source(cfg.data.shards, fetch_options(cfg.data)))
-        self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
+        self.vocab = load_shard_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
                                 vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()

@@ -24,6 +24,15 @@ def test_training_data_never_imports_preparation():
     assert not _imports_from(graph, "scaletrain.data", "scaletrain.prepare")
 
 
+def test_the_vocabulary_imports_nothing_above_it():
+    """``scaletrain.vocab`` knows the id layout and its tokenizer model, not shard directories or manifests."""
+    graph = import_graph(ROOT, "scaletrain")
+    allowed = ("scaletrain.vocab", "scaletrain.errors", "scaletrain.fileio")
+    above = [f"{m} -> {t}" for m, edges in sorted(graph.items()) if m.startswith("scaletrain.vocab")
+             for t in sorted(edges) if not any(t == a or t.startswith(a + ".") for a in allowed)]
+    assert not above
+
+
 def test_the_cli_parser_does_not_load_the_readers():
     """``scaletrain.prepare.args`` (imported to build every command's parser) loads neither the corpus readers
     beyond its gettext constants nor numpy."""
