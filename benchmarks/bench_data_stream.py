@@ -43,7 +43,9 @@ import torch  # noqa: E402
 
 from scaletrain.data.batch import Example, collate  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402
-from scaletrain.data.stream import ShardLoader, ShardStream, greedy_cut, hilbert_index  # noqa: E402
+from scaletrain.data.batching import greedy_cut, hilbert_index  # noqa: E402
+from scaletrain.data.loader import ShardLoader  # noqa: E402
+from scaletrain.data.stream import ShardStream  # noqa: E402
 
 MB = 1e6
 
@@ -128,8 +130,8 @@ def padding(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int, dp: b
     if dp:
         out["hilbert, optimal cut"] = [0, 0, 0]
     for w in range(s.n_windows):
-        for slot, ids in enumerate(s._slot_blocks(0, w)):
-            sl, tl = s._lengths(s._read(ids, lengths_only=True))
+        for slot, ids in enumerate(s.planner.slot_blocks(0, w)):
+            sl, tl = s.planner.lengths(s.blocks.read(ids, lengths_only=True))
             rng = np.random.default_rng([0, w, slot])
             perm = rng.permutation(len(sl))
             a, b = sl[perm], tl[perm]

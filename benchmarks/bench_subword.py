@@ -89,7 +89,7 @@ def main() -> None:
             for r in range(ws):
                 s = ShardStream(d, vocab=v, world_size=ws, rank=r, **dict(kw, buffer_size=4))
                 if not lengths:
-                    s._tok_lengths = None
+                    s.blocks.token_lengths = None
                 out += list(s)
             return out
 

@@ -24,7 +24,7 @@ from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import fetch_options, open_source
 from scaletrain.data.spm_models import load_shard_vocab
-from scaletrain.data.stream import ShardLoader, auto_num_workers
+from scaletrain.data.loader import ShardLoader, auto_num_workers
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
 from scaletrain.engine.model_prep import compile_on

@@ -19,7 +19,8 @@ from scaletrain.config import Config, validate
 from scaletrain.data.inspect_shards import verify
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.data.spm_models import load_shard_vocab
-from scaletrain.data.stream import ShardLoader, ShardStream, _pack, _unpack
+from scaletrain.data.loader import ShardLoader, pack_chunk, unpack_chunk
+from scaletrain.data.stream import ShardStream
 from scaletrain.errors import ScaletrainError
 from scaletrain.prepare.spm_train import add_spm_model, iter_train_sentences, train_spm_bytes
 from scaletrain.vocab import BOS, EOS, LANG_OFFSET, PAD, UNK, ByteVocab, SubwordVocab, load_vocab
@@ -253,8 +254,8 @@ def test_stream_exact_resume_and_two_ranks(spm_dir, vocab):
     for rank in range(2):
         s = ShardStream(d, epochs=1, vocab=vocab, world_size=2, rank=rank, **KW)
         t = ShardStream(d, epochs=1, vocab=vocab, world_size=2, rank=rank, **KW)
-        assert s._tok_lengths is not None
-        t._tok_lengths = None  # no lengths file: every slot tokenized
+        assert s.blocks.token_lengths is not None
+        t.blocks.token_lengths = None  # no lengths file: every slot tokenized
         bs, bt = list(s), list(t)
         assert len(bs) == len(bt) and all(torch.equal(x.src, y.src) and torch.equal(x.tgt_out, y.tgt_out)
                                           for x, y in zip(bs, bt))
@@ -279,7 +280,7 @@ def test_stream_state_names_the_tokenizer_and_loader_keeps_tags(spm_dir, vocab):
         ShardStream(d, vocab=SubwordVocab(["en", "de"], d / f"spm{N}.model"), **KW)
     # the worker wire format keeps the subword tag ids; a loader without workers = the stream
     first = next(iter(ShardStream(d, epochs=1, vocab=vocab, **KW)))
-    back = _unpack(_pack(first))
+    (back,) = unpack_chunk(pack_chunk([first]))
     assert all(torch.equal(getattr(first, f), getattr(back, f)) for f in ("src", "tgt_in", "tgt_out"))
     ld = list(ShardLoader(d, epochs=1, vocab=vocab, **KW))
     assert len(ld) == len(list(sub)) and torch.equal(ld[0].tgt_in, first.tgt_in)
