@@ -13,7 +13,46 @@ Layer: imports ``scaletrain.vocab`` (the id layout), never the offline preparati
 ``spm_models`` do not import torch (``tests/unit/test_data_shards.py``).
 
 ``decode_webdataset_sample``: the translation pairs of one sample that ``webdataset.WebDataset``
-reads from our shards (``scaletrain.data.shards``: the shards are plain WebDataset tars)."""
-from scaletrain.data.shards import decode_webdataset_sample
+reads from our shards (``scaletrain.data.shards``: the shards are plain WebDataset tars).
 
-__all__ = ["decode_webdataset_sample"]
+The names below are loaded on first use (``from scaletrain.data import ShardLoader``), so importing the
+package (or one of its torch-free modules) loads neither torch nor the stream.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Example": "example",
+    "Manifest": "shards",
+    "SplitWriter": "shards",
+    "decode_webdataset_sample": "shards",
+    "iter_split": "shards",
+    "load_manifest": "shards",
+    "read_split": "shards",
+    "write_manifest": "shards",
+    "FetchOptions": "sources",
+    "fetch_options": "sources",
+    "open_source": "sources",
+    "run_source": "sources",
+    "find_spm_model": "spm_models",
+    "load_shard_vocab": "spm_models",
+    "data_stats": "inspect_shards",
+    "verify": "inspect_shards",
+    "Batch": "batch",
+    "collate": "batch",
+    "decode_batches": "batching",
+    "plan_batches": "batching",
+    "ShardStream": "stream",
+    "ShardLoader": "loader",
+    "auto_num_workers": "loader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

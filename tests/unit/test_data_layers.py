@@ -41,3 +41,21 @@ def test_the_cli_parser_does_not_load_the_readers():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+
+
+def test_the_data_package_exports_its_api_lazily():
+    """``scaletrain.data`` names its public API (``__all__``), each name the object of its module; importing the
+    package and using a torch-free name loads neither torch nor the stream."""
+    import importlib
+
+    import scaletrain.data as data
+
+    assert {"ShardStream", "ShardLoader", "plan_batches", "decode_batches", "load_shard_vocab"} <= set(data.__all__)
+    for name in data.__all__:
+        mod = importlib.import_module(f"scaletrain.data.{data._EXPORTS[name]}")
+        assert getattr(data, name) is getattr(mod, name), name
+    script = ("import sys\nfrom scaletrain.data import load_manifest, open_source, Example\n"
+              "print(sorted(m for m in ('torch', 'scaletrain.data.stream', 'scaletrain.data.loader') if m in sys.modules))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
