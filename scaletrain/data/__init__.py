@@ -20,7 +20,7 @@ package (or one of its torch-free modules) loads neither torch nor the stream.
 """
 from __future__ import annotations
 
-import importlib
+from scaletrain import lazy_exports
 
 _EXPORTS = {
     "Example": "example",
@@ -48,11 +48,4 @@ _EXPORTS = {
     "auto_num_workers": "loader",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -16,7 +16,7 @@ The names below are loaded on first use (``from scaletrain.prepare import prepar
 """
 from __future__ import annotations
 
-import importlib
+from scaletrain import lazy_exports
 
 _EXPORTS = {
     "prepare_from_args": "build",
@@ -31,11 +31,4 @@ _EXPORTS = {
     "export_split": "export_text",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
