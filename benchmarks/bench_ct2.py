@@ -5,7 +5,7 @@ limit, so both sides do the same amount of work) is exported with `scaletrain ex
 (float32, and int8 with `--quantization int8`); the django test lines into English (sources under
 180 bytes) are decoded greedily with at most ``--max-len`` bytes each by
 ``scaletrain.eval.generate.translate_examples`` (what `translate` / `evaluate` use) and by
-``ctranslate2.Translator`` (``scaletrain.ct2_export.translate_ct2``), each on one thread. Printed:
+``ctranslate2.Translator`` (``scaletrain.export.translate_ct2``), each on one thread. Printed:
 seconds per side and CTranslate2's speed-up.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_ct2.py --workdir /tmp/bench_ct2
@@ -32,7 +32,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from scaletrain.config import dump_yaml, load_config
-    from scaletrain.ct2_export import export_ct2, translate_ct2
+    from scaletrain.export import export_ct2, translate_ct2
     from scaletrain.prepare import prepare_gettext
     from scaletrain.data.shards import read_split
     from scaletrain.eval.generate import translate_examples

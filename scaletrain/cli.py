@@ -80,7 +80,8 @@ def _setup_threads(args) -> None:
         return
     from scaletrain.threads import apply_threads
 
-    apply_threads(requested=args.threads, inference=True)
+    # translate is a filter: stdout has the translations, stderr only what went wrong
+    apply_threads(requested=args.threads, inference=True, announce=args.command != "translate")
 
 
 def main(argv: list[str] | None = None) -> int:

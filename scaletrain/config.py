@@ -142,6 +142,9 @@ class EvalConfig:
     pivot: str = "en"
     valid_lines: int = 100  # lines per direction of the fixed validation subset (train.bleu_every)
     groups: dict[str, list[str]] = field(default_factory=dict)
+    # end a hypothesis before the first byte that makes it invalid UTF-8 (an untrained model's byte soup
+    # otherwise runs to the length limit); false: decode raw bytes to the limit
+    stop_invalid_utf8: bool = True
 
 
 @dataclass

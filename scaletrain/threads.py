@@ -193,9 +193,10 @@ def plan_threads(budget: CpuBudget, local_ranks: int = 1, requested: int | None 
 
 
 def apply_threads(requested: int | None = None, local_ranks: int | None = None, inference: bool = False,
-                  cuda: bool | None = None) -> int:
+                  cuda: bool | None = None, announce: bool = True) -> int:
     """Set torch's intra-op threads by :func:`plan_threads` and log the choice once (rank 0's logger level
-    decides who prints it). ``inference``: cap by the cores idle now (evaluate, translate). With a GPU the
+    decides who prints it; ``announce=False``: at debug level, for a filter like ``translate`` whose stderr
+    carries only errors). ``inference``: cap by the cores idle now (evaluate, translate). With a GPU the
     CPU threads only feed it: only an explicit request or OMP_NUM_THREADS changes torch's default."""
     import torch
 
@@ -215,5 +216,5 @@ def apply_threads(requested: int | None = None, local_ranks: int | None = None, 
         torch.set_flush_denormal(True)  # denormals wreck fp32 CPU throughput (32 vs 748 tokens/s measured)
     if (n, why) not in _applied:
         _applied.append((n, why))
-        log.info("threads %d: %s", n, why)
+        log.log(logging.INFO if announce else logging.DEBUG, "threads %d: %s", n, why)
     return n

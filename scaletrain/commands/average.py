@@ -3,7 +3,7 @@
     scaletrain average runs/x --last 5 --out runs/x/avg5
     scaletrain average runs/x/checkpoints/step-0001000 runs/x/checkpoints/step-0002000 --out avg
 
-The work is :func:`scaletrain.checkpoint_tools.average_checkpoints`.
+The work is :func:`scaletrain.checkpoint.average_checkpoints`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from scaletrain.checkpoint_tools import average_checkpoints
+    from scaletrain.checkpoint import average_checkpoints
 
     out = average_checkpoints(args.checkpoints, args.out, last=args.last)
     state = json.loads((out / "trainer_state.json").read_text())

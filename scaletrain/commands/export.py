@@ -4,16 +4,16 @@
     scaletrain export runs/x --format hf --out hf_model/ [--eval-json eval.json]
     scaletrain export runs/x --format ct2 --out ct2_model/ [--quantization int8]
 
-``--format safetensors`` is :func:`scaletrain.checkpoint_tools.export_checkpoint`; ``--format hf``
-(:func:`scaletrain.hf_export.export_hf`) writes a ``MarianMTModel`` directory (weights, config,
+``--format safetensors`` is :func:`scaletrain.checkpoint.export_checkpoint`; ``--format hf``
+(:func:`scaletrain.export.export_hf`) writes a ``MarianMTModel`` directory (weights, config,
 generation config, byte-level tokenizer, model card) for the byte Transformer recipes that map onto
 Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others with the reason;
-``--format ct2`` (:func:`scaletrain.ct2_export.export_ct2`) converts that export with CTranslate2's
+``--format ct2`` (:func:`scaletrain.export.export_ct2`) converts that export with CTranslate2's
 ``TransformersConverter``.
 """
 from __future__ import annotations
 
-DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.checkpoint_tools.DTYPES (named here: the parser imports no torch)
+DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.checkpoint.DTYPES (named here: the parser imports no torch)
 
 
 def register(subparsers) -> None:
@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     if args.format == "hf":
-        from scaletrain.hf_export import export_hf
+        from scaletrain.export import export_hf
 
         out = export_hf(args.checkpoint, args.out, args.dtype, eval_json=args.eval_json, overwrite=args.overwrite)
         print(f"wrote {out}: MarianMTModel ({args.dtype}), tokenizer, generation config, README.md")
@@ -46,7 +46,7 @@ def run(args) -> int:
     from scaletrain.errors import ScaletrainError
 
     if args.format == "ct2":
-        from scaletrain.ct2_export import export_ct2
+        from scaletrain.export import export_ct2
 
         if args.dtype != "fp32":
             raise ScaletrainError("--format ct2 takes --quantization (e.g. int8, float16), not --dtype")
@@ -56,7 +56,7 @@ def run(args) -> int:
         return 0
     if args.quantization:
         raise ScaletrainError("--quantization belongs to --format ct2")
-    from scaletrain.checkpoint_tools import export_checkpoint
+    from scaletrain.checkpoint import export_checkpoint
 
     if args.eval_json or args.overwrite:
         raise ScaletrainError("--eval-json and --overwrite belong to --format hf and ct2")

@@ -83,7 +83,7 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
         model, examples, vocab, batch_tokens=ec.batch_tokens, beam=beam, lenpen=lenpen,
         max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
         # a degenerate model stops near training's lengths
-        length_ratios=train_length_ratios(load_manifest(shards)),
+        length_ratios=train_length_ratios(load_manifest(shards)), stop_invalid_utf8=ec.stop_invalid_utf8,
     )
     secs = time.time() - t0
     if bar:

@@ -106,13 +106,14 @@ class BleuValidator:
         groups: Mapping[str, Sequence[str]] | None = None,
         tokenize: Mapping[str, str] | None = None,
         prefix: str = "valid",
+        stop_invalid_utf8: bool = True,
     ):
         self.examples = list(examples)
         if not self.examples:
             raise ScaletrainError("BleuValidator: the validation subset is empty (is the valid split empty?)")
         self.vocab = vocab
         self.decode_kw = dict(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
-                              batch_tokens=batch_tokens)
+                              batch_tokens=batch_tokens, stop_invalid_utf8=stop_invalid_utf8)
         self.pivot, self.groups, self.tokenize, self.prefix = pivot, dict(groups or {}), tokenize, prefix
 
     @classmethod
@@ -123,7 +124,8 @@ class BleuValidator:
 
         ec = cfg.eval
         args = dict(beam=1, lenpen=ec.lenpen, max_len_a=ec.max_len_a, max_len_b=ec.max_len_b,
-                    batch_tokens=ec.batch_tokens, pivot=ec.pivot, groups=ec.groups or None)
+                    batch_tokens=ec.batch_tokens, pivot=ec.pivot, groups=ec.groups or None,
+                    stop_invalid_utf8=ec.stop_invalid_utf8)
         args.update(kw)
         return cls(first_n_per_direction(read_split(cfg.data.shards, split), n_per_direction), vocab, **args)
 

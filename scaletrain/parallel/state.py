@@ -31,7 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import replace_synced, temp_path
 from scaletrain.parallel.context import ParallelContext, balanced_owners
+from scaletrain.safeload import safe_torch_load
 
 
 def expert_shards(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -172,8 +174,6 @@ def save_expert_shard(ckpt_dir: Path, model: nn.Module, optimizer, ctx: Parallel
     files hold rank 0's experts only. Written under a temporary name, then renamed."""
     if ctx.ep_size == 1 or ctx.edp_rank != 0:
         return
-    from scaletrain.fileio import replace_synced, temp_path
-
     named = {n: p for n, p in model.named_parameters() if getattr(p, "expert", False)}
     state = getattr(optimizer, "state", {}) if optimizer is not None else {}
     optim = {n: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state[p].items()}
@@ -242,8 +242,6 @@ def expert_checkpoint_load(ckpt_dir: Path, model: nn.Module, optimizer, ctx: Par
 
 def _joined_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, dict]]:
     """name -> (the full tensor: every expert of the layer, its optimizer state) from all shard files."""
-    from scaletrain.safeload import safe_torch_load
-
     files = [shard_file(ckpt_dir, r, saved) for r in range(saved)]
     if not all(f.is_file() for f in files):
         raise ScaletrainError(f"{ckpt_dir}: expert shard files missing for moe.ep_size={saved}; use an earlier checkpoint")
@@ -262,8 +260,6 @@ def _joined_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, 
 @torch.no_grad()
 def _load_own_shard(ckpt_dir: Path, named: dict, optimizer, ctx: ParallelContext) -> None:
     """This rank's experts and their optimizer state from its shard file (same ep_size as saved)."""
-    from scaletrain.safeload import safe_torch_load
-
     path = shard_file(ckpt_dir, ctx.ep_rank, ctx.ep_size)
     if not path.is_file():
         raise ScaletrainError(f"{path} missing: the checkpoint lacks this rank's experts; use an earlier checkpoint")
@@ -282,8 +278,6 @@ def merge_expert_shards(ckpt_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str
     replaced by all EP ranks' shards joined (stacked in global expert order; owned: the owner's): the
     ep_size=1 state dict.
     Unchanged for a checkpoint without shard files."""
-    from scaletrain.safeload import safe_torch_load
-
     files = sorted(Path(ckpt_dir).glob(SHARD_GLOB))
     if not files:
         return sd

@@ -10,6 +10,7 @@ file with one line naming it, and the marker must not exist.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,8 +86,7 @@ def test_resume_refuses_a_planted_payload_in_every_file(runs, django_shards, tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in ENGINES if ENGINES[n][2]])
 def test_inference_loaders_refuse_a_planted_payload(runs, tmp_path, name):
-    from scaletrain.checkpoint import load_for_inference
-    from scaletrain.checkpoint_tools import average_checkpoints, export_checkpoint
+    from scaletrain.checkpoint import average_checkpoints, export_checkpoint, load_for_inference
     from scaletrain.errors import ScaletrainError
 
     for f in ENGINES[name][2]:
@@ -111,6 +111,7 @@ def test_translate_cli_names_the_refused_file_in_one_line(runs, tmp_path):
                         "--tgt-lang", "en"], input="Hallo\n", env=launcher_env(tmp_path), cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and not (tmp_path / "marker").exists()
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("[")]  # DeepSpeed's log lines
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("[")  # DeepSpeed's log lines
+             and not re.match(r"\d\d:\d\d:\d\d threads \d+: ", ln)]  # the CPU thread choice (translate logs it)
     assert len(lines) == 1 and str(f) in lines[0] and "refused to load" in lines[0], p.stderr
     assert "posix.mkdir" in lines[0]  # the global the file asked for

@@ -10,7 +10,7 @@ update), tiny model, 20 updates, CPU/gloo. Four launches in all, each training s
 * ``accelerate launch`` 2 ranks, plain DDP with k=2 (no_sync on the first micro-batch).
 * ``accelerate launch`` 2 ranks, DeepSpeed plugin (ZeRO-2), k=1.
 
-Export and average run on the ZeRO-3 checkpoints written here (see test_checkpoint_tools.py).
+Export and average run on the ZeRO-3 checkpoints written here (the last two tests).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def ct2_dir(trained, tmp_path_factory):  # noqa: F811
 def test_ct2_greedy_equals_ours(trained, ct2_dir, django_shards):  # noqa: F811
     from transformers import AutoTokenizer
 
-    from scaletrain.ct2_export import translate_ct2
+    from scaletrain.export import translate_ct2
 
     _, ours, langs = trained
     assert (ct2_dir / "model.bin").is_file() and (ct2_dir / "tokenizer.json").is_file()

@@ -109,7 +109,7 @@ def test_bf16_export_logits(trained, django_shards, tmp_path):
 
     from transformers import AutoModelForSeq2SeqLM
 
-    from scaletrain.hf_export import export_hf
+    from scaletrain.export import export_hf
 
     ck, ours, _ = trained
     out = export_hf(ck, tmp_path / "hf16", dtype="bf16")
@@ -142,7 +142,7 @@ def test_greedy_suppresses_what_ours_never_emits(trained, django_shards, tmp_pat
     decode the same through HF (generation_config.suppress_tokens)."""
     import copy
 
-    from scaletrain.hf_export import export_hf
+    from scaletrain.export import export_hf
 
     _, ours, langs = trained
     m = copy.deepcopy(ours)
@@ -205,7 +205,7 @@ def test_model_card_and_files(exported, trained):
 
 def test_model_card_shows_the_evaluation(trained, tmp_path):
     from scaletrain.eval.evaluate import evaluate_checkpoint, result_to_json
-    from scaletrain.hf_export import export_hf
+    from scaletrain.export import export_hf
 
     ck, _, langs = trained
     res = result_to_json(evaluate_checkpoint(ck, split="test", beam=1, max_lines=2, progress=False))
@@ -224,7 +224,7 @@ def test_model_card_shows_the_evaluation(trained, tmp_path):
 
 
 def test_refuses_models_that_do_not_map(django_shards, tmp_path):
-    from scaletrain.hf_export import export_hf
+    from scaletrain.export import export_hf
 
     for over, why in ((["model.pre_ln=true"], "pre_ln"), (["model.share_embeddings=false"], "share_embeddings"),
                       (["model.arch=msc", "model.conv.kernels=[0,1,3,5]"], "model.arch is msc")):

@@ -91,7 +91,7 @@ def dying_replace(src, dst):
         os._exit(9)              # killed after the rename, before `latest` moved
     return real_replace(src, dst)
 os.replace = dying_replace
-import scaletrain.checkpoint as ck
+import scaletrain.checkpoint.manager as ck
 ck.os.replace = dying_replace
 _save(mgr, 20)
 """

@@ -116,13 +116,12 @@ def test_exported_safetensors_and_checkpoint_files_are_world_readable(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from scaletrain.checkpoint import write_index
-    from scaletrain.checkpoint_tools import _save_safetensors
+    from scaletrain.checkpoint import save_safetensors, write_index
 
     old = os.umask(0o022)
     try:
         out = tmp_path / "export" / "model.safetensors"
-        _save_safetensors({"w": torch.zeros(2)}, out, {"format": "pt"})
+        save_safetensors({"w": torch.zeros(2)}, out, {"format": "pt"})
         assert stat.S_IMODE(out.stat().st_mode) == 0o644
         ck = tmp_path / "step-1.partial"
         ck.mkdir()

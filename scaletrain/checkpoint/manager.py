@@ -1,4 +1,6 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, resumable checkpoints: the train-time side (:class:`CheckpointManager`) and the on-disk
+format it writes (tags, ``latest``, ``index.json`` and its verification, RNG states, the vocabulary
+files). Loading a checkpoint for evaluate/translate/export is :mod:`scaletrain.checkpoint.inference`.
 
 Layout of a run directory::
 
@@ -7,6 +9,7 @@ Layout of a run directory::
                      trainer_state.json step, tokens/examples seen, MLflow run id
                      config.yaml       the resolved config
                      langs.json        vocabulary languages (manifest order)
+                     vocab.json, *.model  a SentencePiece vocabulary's record and model (subword runs only)
                      index.json        sha256 and size of every file above, written last
     OUT/checkpoints/latest             name of the newest complete checkpoint
 
@@ -24,7 +27,6 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -102,6 +104,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(st: dict) -> None:
+    """Restore every RNG state :func:`rng_state` recorded (CUDA's only where CUDA is available)."""
     py, npst = st["python"], st["numpy"]
     random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
     np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
@@ -123,20 +126,6 @@ def latest_tag(ckpt_root: Path) -> str | None:
     if not (ckpt_root / tag / "trainer_state.json").is_file():
         raise ScaletrainError(f"{f} names {tag!r}, which is not a complete checkpoint; remove {f} or fix it")
     return tag
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint dir, a run dir (uses checkpoints/latest) or a checkpoints dir."""
-    p = Path(path)
-    if (p / "trainer_state.json").is_file():
-        return p
-    for root in (p / "checkpoints", p):
-        if (root / "latest").is_file():
-            tag = latest_tag(root)
-            return root / tag
-    raise ScaletrainError(
-        f"{p} is not a checkpoint: expected trainer_state.json in it, or a run directory with checkpoints/latest"
-    )
 
 
 class CheckpointManager:
@@ -331,39 +320,6 @@ class CheckpointManager:
         return trainer_state, rank_state
 
 
-def load_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 model state dict of a checkpoint written by any engine, without building an engine.
-
-    Accelerate DDP / exported / averaged: model.safetensors. DeepSpeed (any ZeRO stage, any precision):
-    consolidated by :func:`scaletrain.engine.deepspeed_driver.consolidated_weights`. The weight files are
-    checked against the checkpoint's ``index.json`` first.
-    """
-    ckpt = Path(ckpt)
-    verify_checkpoint(ckpt, only=lambda name: name.endswith(".safetensors")
-                      or name.startswith(("mp_rank_", "zero_pp_", "expert_shard_")))
-    from scaletrain.parallel.state import merge_expert_shards  # moe.ep_size > 1: every rank's experts
-
-    st = ckpt / "model.safetensors"
-    if st.is_file():
-        from safetensors.torch import load_file
-
-        try:
-            sd = load_file(str(st))
-        except Exception as e:  # safetensors holds no code; a bad header or a short file lands here
-            raise ScaletrainError(f"{st}: unreadable safetensors file, truncated or corrupt ({e}); "
-                                  "use an earlier checkpoint") from None
-        return merge_expert_shards(ckpt, sd)
-    from scaletrain.engine.deepspeed_driver import consolidated_weights
-
-    sd = consolidated_weights(ckpt)
-    if sd is not None:
-        return merge_expert_shards(ckpt, sd)
-    raise ScaletrainError(
-        f"{ckpt}: no model weights found (model.safetensors, mp_rank_00_model_states.pt or ZeRO shards "
-        "zero_pp_rank_*); is this a checkpoint directory (OUT/checkpoints/step-N)?"
-    )
-
-
 VOCAB_FILE = "vocab.json"  # absent = byte vocabulary (checkpoints from before subword support too)
 
 
@@ -386,101 +342,3 @@ def copy_vocab_files(src_ckpt: Path, dst_dir: Path) -> None:
     info = json.loads(meta.read_text())
     shutil.copyfile(Path(src_ckpt) / info["file"], Path(dst_dir) / info["file"])
     shutil.copyfile(meta, Path(dst_dir) / VOCAB_FILE)
-
-
-def load_checkpoint_vocab(ckpt: Path, langs: list[str]):
-    """The vocabulary a checkpoint was trained with (ByteVocab unless ``vocab.json`` names a tokenizer)."""
-    from scaletrain.vocab import ByteVocab
-
-    meta = Path(ckpt) / VOCAB_FILE
-    if not meta.is_file():
-        return ByteVocab(langs)
-    try:
-        info = json.loads(meta.read_text())
-        kind, file, sha = info["kind"], info["file"], info["sha256"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ScaletrainError(f"{meta}: unreadable vocabulary record ({type(e).__name__}: {e})") from None
-    if kind != "spm":
-        raise ScaletrainError(f"{meta}: unknown vocabulary kind {kind!r} (this scaletrain knows byte and spm)")
-    from scaletrain.vocab import SubwordVocab
-
-    path = Path(ckpt) / file
-    if not path.is_file():
-        raise ScaletrainError(f"{ckpt}: the SentencePiece model {file} named in {VOCAB_FILE} is missing")
-    vocab = SubwordVocab(langs, path)
-    if vocab.sha256 != sha:
-        raise ScaletrainError(f"{path}: sha256 {vocab.sha256[:12]}... differs from {VOCAB_FILE}'s {sha[:12]}...; "
-                              "the checkpoint's tokenizer file was changed")
-    return vocab
-
-
-def load_exported(path: str | Path, device: str | torch.device = "cpu"):
-    """``load_for_inference`` for one file written by ``scaletrain export`` (``--format safetensors``):
-    the config, languages, step and (subword models) the tokenizer record ride in its metadata, the
-    SentencePiece model lies beside it. Any architecture, with no training checkpoint."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from scaletrain.config import from_dict
-    from scaletrain.models import build_model
-    from scaletrain.vocab import ByteVocab
-    import yaml
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error types
-        raise ScaletrainError(f"{path}: not a readable safetensors file ({e})") from None
-    if "scaletrain_config" not in meta or "langs" not in meta:
-        raise ScaletrainError(f"{path}: not written by `scaletrain export` (no scaletrain_config/langs metadata); "
-                              "give a checkpoint or run directory instead")
-    cfg = from_dict(yaml.safe_load(meta["scaletrain_config"]))
-    langs = json.loads(meta["langs"])
-    if meta.get("vocab"):
-        info = json.loads(meta["vocab"])
-        from scaletrain.vocab import SubwordVocab
-
-        spm = path.parent / info["file"]
-        if not spm.is_file():
-            raise ScaletrainError(f"{path}: its SentencePiece model {info['file']} is not beside it")
-        vocab = SubwordVocab(langs, spm)
-        if vocab.sha256 != info["sha256"]:
-            raise ScaletrainError(f"{spm}: sha256 {vocab.sha256[:12]}... differs from {path.name}'s record "
-                                  f"{info['sha256'][:12]}...")
-    else:
-        vocab = ByteVocab(langs)
-    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces(), moe=cfg.moe)  # every expert, one process
-    sd = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not m.endswith("_float_tensor")]
-    if missing or unexpected:
-        raise ScaletrainError(f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    model.to(device).eval()
-    step = meta.get("step")
-    trainer_state = {"step": int(step) if step and step.isdigit() else None}
-    return model, cfg, vocab, trainer_state, path
-
-
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, config, vocab, trainer_state, path) from a checkpoint or run directory, or
-    from a ``.safetensors`` file written by ``scaletrain export`` (``load_exported``)."""
-    if Path(path).is_file() and str(path).endswith(".safetensors"):
-        return load_exported(path, device)
-    from scaletrain.config import from_dict
-    from scaletrain.models import build_model
-    import yaml
-
-    ckpt = resolve_checkpoint(path)
-    cfg = from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
-    langs = json.loads((ckpt / "langs.json").read_text())
-    vocab = load_checkpoint_vocab(ckpt, langs)
-    model = build_model(cfg.model, vocab.size, pieces=vocab.pieces(), moe=cfg.moe)
-    sd = load_model_weights(ckpt)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not m.endswith("_float_tensor")]
-    if missing or unexpected:
-        raise ScaletrainError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    model.to(device).eval()
-    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
-    return model, cfg, vocab, trainer_state, ckpt

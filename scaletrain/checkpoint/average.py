@@ -1,15 +1,12 @@
-"""Export and average saved checkpoints (the library side of ``scaletrain export`` and ``average``).
+"""``scaletrain average``: the parameters of several checkpoints averaged into a new checkpoint.
 
-:func:`export_checkpoint` consolidates any engine's checkpoint (ZeRO-3 shards included) into one
-safetensors file that loads with ``safetensors`` + ``build_model`` alone; the resolved config and
-languages ride in its metadata. :func:`average_checkpoints` writes a checkpoint directory
-(model.safetensors, config.yaml, langs.json, trainer_state.json) that ``evaluate`` and ``translate``
-accept.
+:func:`average_checkpoints` writes a checkpoint directory (``model.safetensors``, ``config.yaml``,
+``langs.json``, ``trainer_state.json`` naming its sources, the vocabulary files) that ``evaluate``,
+``translate``, ``export`` and ``average`` itself accept; it is written under ``OUT.partial`` and renamed.
+Sums are kept in float64; integer buffers must be equal in every checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -18,58 +15,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from scaletrain.checkpoint import TAG_RE, atomic_write_text, copy_vocab_files, load_model_weights, resolve_checkpoint
+from scaletrain.checkpoint.inference import load_model_weights, resolve_checkpoint
+from scaletrain.checkpoint.manager import TAG_RE, copy_vocab_files
+from scaletrain.checkpoint.single_file import save_safetensors
 from scaletrain.errors import ScaletrainError
-from scaletrain.fileio import default_mode
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
-        return load_model_weights(ckpt)
-
-
-def _save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    # contiguous, unshared copies: safetensors refuses tensors that share storage
-    save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp), metadata=metadata)
-    default_mode(tmp)  # safetensors creates it 0600
-    os.replace(tmp, path)
-
-
-def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
-    """Write the consolidated weights of ``ckpt`` to ``out`` (safetensors); returns the path.
-
-    Config, languages and step ride in the metadata; a SentencePiece model is copied beside ``out``
-    as ``<out stem>.<file>``. ``translate`` / ``evaluate --checkpoint out`` load the file directly
-    (``scaletrain.checkpoint.load_exported``), for every architecture."""
-    if dtype not in DTYPES:
-        raise ScaletrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    ck = resolve_checkpoint(ckpt)
-    sd = _weights(ck)
-    dt = DTYPES[dtype]
-    sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
-    state = json.loads((ck / "trainer_state.json").read_text())
-    meta = {
-        "format": "pt", "scaletrain_config": (ck / "config.yaml").read_text(),
-        "langs": (ck / "langs.json").read_text(), "step": str(state.get("step", "")), "dtype": dtype,
-        "source": str(ck),
-    }
-    out = Path(out)
-    vocab_meta = ck / "vocab.json"
-    if vocab_meta.is_file():  # a SentencePiece model travels beside the file, recorded in its metadata
-        info = json.loads(vocab_meta.read_text())
-        name = f"{out.stem}.{info['file']}"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ck / info["file"], out.parent / (name + ".tmp"))
-        os.replace(out.parent / (name + ".tmp"), out.parent / name)
-        meta["vocab"] = json.dumps({"kind": info["kind"], "file": name, "sha256": info["sha256"]})
-    _save_safetensors(sd, out, meta)
-    return out
+from scaletrain.fileio import atomic_write_text
 
 
 def _model_section(ck: Path) -> dict:
@@ -115,7 +65,7 @@ def average_checkpoints(ckpts: list[str | Path], out: str | Path, last: int = 0)
             raise ScaletrainError(f"{p}: model config differs from {paths[0]}; only checkpoints of one model can be averaged")
         if json.loads((p / "langs.json").read_text()) != ref_langs:
             raise ScaletrainError(f"{p}: languages differ from {paths[0]} (langs.json)")
-        sd = _weights(p)
+        sd = load_model_weights(p, quiet=True)
         if acc is None:
             acc = {k: v.double() if v.is_floating_point() else v.clone() for k, v in sd.items()}
             continue
@@ -132,7 +82,7 @@ def average_checkpoints(ckpts: list[str | Path], out: str | Path, last: int = 0)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     last_ck = paths[-1]
-    _save_safetensors(avg, partial / "model.safetensors", {"format": "pt", "averaged_from": json.dumps([str(p) for p in paths])})
+    save_safetensors(avg, partial / "model.safetensors", {"format": "pt", "averaged_from": json.dumps([str(p) for p in paths])})
     state = json.loads((last_ck / "trainer_state.json").read_text())
     state["averaged_from"] = [str(p) for p in paths]
     atomic_write_text(partial / "trainer_state.json", json.dumps(state, indent=2))

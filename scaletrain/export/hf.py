@@ -47,8 +47,15 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors.torch import save_file
 
+from scaletrain.checkpoint import DTYPES, load_checkpoint_vocab, load_model_weights, resolve_checkpoint
+from scaletrain.config import from_dict
+from scaletrain.data.shards import load_manifest
 from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import default_mode
+from scaletrain.models.transformer import sinusoidal_table
 from scaletrain.vocab import BOS, BYTE_OFFSET, EOS, LANG_OFFSET, N_BYTES, PAD, SPECIALS, UNK
 
 SPECIAL_NAMES = ("<pad>", "<s>", "</s>", "<unk>")  # ids PAD, BOS, EOS, UNK
@@ -88,7 +95,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def byte_tokenizer(langs: list[str]):
     """The ``tokenizers.Tokenizer`` of the byte vocabulary with ``langs``' tags (ids as ``ByteVocab``)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors  # export only
 
     assert SPECIALS[PAD] == "<pad>" and BYTE_OFFSET == len(SPECIAL_NAMES) and LANG_OFFSET == BYTE_OFFSET + N_BYTES
     table = _bytes_to_unicode()
@@ -111,8 +118,6 @@ def byte_tokenizer(langs: list[str]):
 
 def marian_state_dict(sd: dict[str, torch.Tensor], model_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our Transformer's state dict under MarianMTModel's names (positions table included)."""
-    from scaletrain.models.transformer import sinusoidal_table
-
     out: dict[str, torch.Tensor] = {}
     used = set()
 
@@ -214,8 +219,6 @@ def model_card(cfg, langs: list[str], step, ckpt: Path, eval_json=None) -> str:
     data = cfg.data.shards
     source = ""
     try:
-        from scaletrain.data.shards import load_manifest
-
         m = load_manifest(data)
         t = m.source.get("type") if isinstance(m.source, dict) else None
         dirs = ", ".join(m.splits["train"].directions) if "train" in m.splits else ""
@@ -276,14 +279,7 @@ formula when loading a directory without it. This export stores scaletrain's tab
 
 def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32", eval_json=None, overwrite: bool = False) -> Path:
     """Write a MarianMTModel directory for the checkpoint ``ckpt`` to ``out`` (see the module doc)."""
-    import yaml
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, MarianConfig
-
-    from scaletrain.checkpoint import load_checkpoint_vocab, load_model_weights, resolve_checkpoint
-    from scaletrain.checkpoint_tools import DTYPES
-    from scaletrain.config import from_dict
-    from scaletrain.fileio import default_mode
+    from transformers import GenerationConfig, MarianConfig  # heavy: loaded only when exporting
 
     if dtype not in DTYPES:
         raise ScaletrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -1,4 +1,4 @@
-"""``scaletrain export --format ct2``: the Hugging Face export (``scaletrain.hf_export``) converted to
+"""``scaletrain export --format ct2``: the Hugging Face export (``scaletrain.export.hf``) converted to
 CTranslate2 with CTranslate2's own ``TransformersConverter``.
 
 CTranslate2's stock loader for ``MarianConfig`` assumes two conventions of models converted from
@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.export.hf import export_hf
 from scaletrain.fileio import default_mode
+from scaletrain.vocab import LANG_OFFSET
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md"]
 
@@ -83,8 +85,6 @@ def convert_hf_dir(hf_dir: str | Path, out: str | Path, quantization: str | None
 def export_ct2(ckpt: str | Path, out: str | Path, *, quantization: str | None = None, eval_json=None,
                overwrite: bool = False) -> Path:
     """Checkpoint -> HF export (temporary) -> CTranslate2 directory ``out``."""
-    from scaletrain.hf_export import export_hf
-
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ScaletrainError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
@@ -102,8 +102,6 @@ def export_ct2(ckpt: str | Path, out: str | Path, *, quantization: str | None = 
 
 def suppressed_tokens(tokenizer) -> list[list[str]]:
     """What our decoder never emits, as CTranslate2 ``suppress_sequences`` (pad, bos, language tags)."""
-    from scaletrain.vocab import LANG_OFFSET
-
     tags = [t for t, i in sorted(tokenizer.get_vocab().items(), key=lambda x: x[1]) if i >= LANG_OFFSET]
     return [[tokenizer.pad_token], [tokenizer.bos_token], *[[t] for t in tags]]
 

@@ -1,0 +1,68 @@
+"""``scaletrain export --format safetensors``: a checkpoint as one file that scaletrain loads back.
+
+:func:`export_checkpoint` consolidates any engine's checkpoint (ZeRO-3 shards and expert shards
+included) into one safetensors file that loads with ``safetensors`` + ``build_model`` alone; the
+resolved config, the languages, the step and (subword models) the tokenizer record ride in its
+metadata. Its reader is :func:`scaletrain.checkpoint.inference.load_exported`, which ``evaluate`` and
+``translate`` reach through ``load_for_inference``. It lives in this package, not in
+``scaletrain.export`` (the formats other tools read: Marian, CTranslate2), because it is scaletrain's
+own checkpoint format, written and read back here, and shares :func:`save_safetensors` and
+:data:`DTYPES` with ``average``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from scaletrain.checkpoint.inference import load_model_weights, resolve_checkpoint
+from scaletrain.checkpoint.manager import VOCAB_FILE
+from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import default_mode
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # export --dtype
+
+
+def save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write ``sd`` to ``path`` under a temporary name and rename it (mode as ``open()`` gives)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    # contiguous, unshared copies: safetensors refuses tensors that share storage
+    save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp), metadata=metadata)
+    default_mode(tmp)  # safetensors creates it 0600
+    os.replace(tmp, path)
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    """Write the consolidated weights of ``ckpt`` to ``out`` (safetensors); returns the path.
+
+    Config, languages and step ride in the metadata; a SentencePiece model is copied beside ``out``
+    as ``<out stem>.<file>``. ``translate`` / ``evaluate --checkpoint out`` load the file directly
+    (``scaletrain.checkpoint.load_exported``), for every architecture."""
+    if dtype not in DTYPES:
+        raise ScaletrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ck = resolve_checkpoint(ckpt)
+    sd = load_model_weights(ck, quiet=True)
+    dt = DTYPES[dtype]
+    sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
+    state = json.loads((ck / "trainer_state.json").read_text())
+    meta = {
+        "format": "pt", "scaletrain_config": (ck / "config.yaml").read_text(),
+        "langs": (ck / "langs.json").read_text(), "step": str(state.get("step", "")), "dtype": dtype,
+        "source": str(ck),
+    }
+    out = Path(out)
+    vocab_meta = ck / VOCAB_FILE
+    if vocab_meta.is_file():  # a SentencePiece model travels beside the file, recorded in its metadata
+        info = json.loads(vocab_meta.read_text())
+        name = f"{out.stem}.{info['file']}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ck / info["file"], out.parent / (name + ".tmp"))
+        os.replace(out.parent / (name + ".tmp"), out.parent / name)
+        meta["vocab"] = json.dumps({"kind": info["kind"], "file": name, "sha256": info["sha256"]})
+    save_safetensors(sd, out, meta)
+    return out
