@@ -37,7 +37,7 @@ class DataConfig:
     seed: int = 1
     # DataLoader worker processes per rank feeding the stream (0 = in the training process); auto: 2 for remote
     # shards or on an accelerator with >= 4 host cores per rank, 1 on a CPU host with an idle core per rank
-    # beside the training threads, else 0 (scaletrain.data.stream.auto_num_workers)
+    # beside the training threads, else 0 (scaletrain.data.loader.auto_num_workers)
     num_workers: int | str = "auto"
     temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
     # byte (default) | spm: the subword baseline, a SentencePiece BPE model stored beside the shards

@@ -29,8 +29,7 @@ from typing import Callable
 
 import torch
 
-from scaletrain.data.sources import fetch_options
-from scaletrain.data.stream import ShardStream
+from scaletrain.data.loader import ShardLoader
 from scaletrain.train.compile_stats import compile_metrics
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.unit import StepOutput, TranslationUnit, validation_loss
@@ -233,10 +232,7 @@ class Evaluator:
 
     def validation_loss(self) -> float:
         d, eng = self.cfg.data, self.engine
-        stream = ShardStream(d.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
-                             max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab,
-                             on_corrupt=d.on_corrupt, fetch=fetch_options(d), pad_to_multiple=d.pad_to_multiple,
-                             max_rows=d.max_rows)
+        stream = ShardLoader.for_run(d, "valid", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab)
         v = validation_loss(eng, self.unit, stream, self.cfg.train.valid_max_batches)
         self.state.valid_history.append((self.state.step, v))
         if eng.is_main:

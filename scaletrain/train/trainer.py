@@ -23,9 +23,10 @@ import torch
 
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml
+from scaletrain.data.loader import ShardLoader, auto_num_workers
 from scaletrain.data.shards import load_manifest
-from scaletrain.data.sources import fetch_options, open_source
-from scaletrain.data.stream import ShardLoader, auto_num_workers
+from scaletrain.data.sources import run_source
+from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
 from scaletrain.engine.model_prep import compile_on
@@ -42,7 +43,6 @@ from scaletrain.train.recorder import RunRecorder
 from scaletrain.train.oom import OomPolicy
 from scaletrain.train.prefetch import Prefetcher
 from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
-from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")
 MAX_PENDING = 64  # updates whose device values wait for a read at most (their host batches are kept for the dumps)
@@ -77,21 +77,17 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
-        self.manifest = load_manifest(open_source(cfg.data.shards, fetch_options(cfg.data)))
-        self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
-                                vocab_size=cfg.data.spm_vocab_size)
+        self.manifest = load_manifest(run_source(cfg.data))
+        self.vocab = load_shard_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
+                                      vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()
         self.param_counts = count_parameters(model, cfg.moe.ep_size)  # the whole model, every expert
         eng.setup(model)
         apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
-        self.stream = stream if stream is not None else ShardLoader(
-            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=self._num_workers(),
-            seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
-            buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
-            on_corrupt=cfg.data.on_corrupt, fetch=fetch_options(cfg.data),
-            pad_to_multiple=cfg.data.pad_to_multiple, max_rows=cfg.data.max_rows,
-        )
+        self.stream = stream if stream is not None else ShardLoader.for_run(
+            cfg.data, "train", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab,
+            num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
         tc = cfg.train
         self.state = TrainState()
@@ -285,7 +281,7 @@ class Trainer:
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
-        shards = open_source(cfg.data.shards, fetch_options(cfg.data))  # a directory, URL or pipe: command
+        shards = run_source(cfg.data)  # a directory, URL or pipe: command
         base_nll = unigram_nll(shards, vocab=self.vocab, on_corrupt=cfg.data.on_corrupt) if eng.is_main else 0.0
         base_nll = eng.broadcast_object(base_nll)
         if eng.is_main:
