@@ -117,7 +117,7 @@ class BleuValidator:
         self.pivot, self.groups, self.tokenize, self.prefix = pivot, dict(groups or {}), tokenize, prefix
 
     @classmethod
-    def from_config(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
+    def for_run(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
         """The first ``n_per_direction`` lines per direction of ``split`` of ``cfg.data.shards``, decoding
         and scoring settings from ``cfg.eval`` (beam defaults to 1 = greedy; override with ``beam=``)."""
         from scaletrain.data.shards import read_split
@@ -198,6 +198,12 @@ class BestCheckpoint:
             raise ScaletrainError(f"best checkpoint: patience and min_delta must be >= 0, got {patience}, {min_delta}")
         self.root = Path(root) if root is not None else None
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+
+    @classmethod
+    def for_run(cls, cfg, root: str | Path | None) -> "BestCheckpoint":
+        """``train.best_metric`` / ``best_mode`` / ``patience`` / ``best_min_delta``, kept under ``root``."""
+        tc = cfg.train
+        return cls(root, tc.best_metric, tc.best_mode, tc.patience, tc.best_min_delta)
         self.best_value = math.nan
         self.best_step = -1
         self.bad_evals = 0
