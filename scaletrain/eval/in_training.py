@@ -198,16 +198,16 @@ class BestCheckpoint:
             raise ScaletrainError(f"best checkpoint: patience and min_delta must be >= 0, got {patience}, {min_delta}")
         self.root = Path(root) if root is not None else None
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.best_value = math.nan
+        self.best_step = -1
+        self.bad_evals = 0
+        self.history: list[tuple[int, float]] = []
 
     @classmethod
     def for_run(cls, cfg, root: str | Path | None) -> "BestCheckpoint":
         """``train.best_metric`` / ``best_mode`` / ``patience`` / ``best_min_delta``, kept under ``root``."""
         tc = cfg.train
         return cls(root, tc.best_metric, tc.best_mode, tc.patience, tc.best_min_delta)
-        self.best_value = math.nan
-        self.best_step = -1
-        self.bad_evals = 0
-        self.history: list[tuple[int, float]] = []
 
     def _better(self, v: float) -> bool:
         if math.isnan(v):
