@@ -4,6 +4,10 @@
 
 Unknown keys and invalid values fail here, before any process starts, with the key named.
 Recipes live in ``scaletrain/recipes/*.yaml`` so an installed wheel has them.
+
+Each section (``DataConfig``, ``OptimConfig``, ..., the model's in :mod:`scaletrain.models.config`) documents
+every key in the docstring under its field (meaning, unit, allowed values) and checks its own keys in its
+``validate()``; :meth:`Config.validate` calls them and holds only the rules that join two sections.
 """
 from __future__ import annotations
 
