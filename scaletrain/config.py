@@ -632,5 +632,40 @@ def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config
     return from_dict(data)
 
 
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+def dump_yaml(cfg: Config, docs: bool = False) -> str:
+    """The resolved config as YAML; ``docs``: each key preceded by its documentation (the docstring under
+    its field) as ``#`` comments. Both read back to the same config."""
+    if not docs:
+        return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+    return "".join(_documented(to_dict(cfg), type(cfg), 0))
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of the config dataclass ``cls`` (the string literal after the
+    field, as in fairseq2's config sections), read from the class's source without running it."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def _documented(tree: dict, cls, depth: int):
+    """YAML lines of ``tree`` (a section of ``to_dict``), each key under its field docstring as comments."""
+    pad = "  " * depth
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for key, value in tree.items():
+        for line in docs.get(key, "").splitlines():
+            yield f"{pad}# {line}".rstrip() + "\n"
+        if dataclasses.is_dataclass(hints.get(key)) and isinstance(value, dict):
+            yield f"{pad}{key}:\n"
+            yield from _documented(value, hints[key], depth + 1)
+        else:
+            text = yaml.safe_dump({key: value}, sort_keys=False, allow_unicode=True, width=10**6)
+            yield "".join(pad + line + "\n" for line in text.splitlines())

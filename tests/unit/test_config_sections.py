@@ -7,13 +7,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import textwrap
 import typing
 from pathlib import Path
 
 import pytest
 
-from scaletrain.config import Config, load_config
+from scaletrain.config import Config, dump_yaml, field_docs, load_config
 from scaletrain.errors import ScaletrainError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,18 +28,6 @@ def _sections(cls=Config, seen=None) -> list[type]:
     return seen
 
 
-def field_docs(cls) -> dict[str, str]:
-    """The docstring written under each field of dataclass ``cls`` (the string literal after it)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = nxt.value.value
-    return docs
-
-
 def test_every_section_is_found():
     names = {c.__name__ for c in _sections()}
     assert {"DataConfig", "OptimConfig", "EngineConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
@@ -54,6 +41,32 @@ def test_every_key_has_a_docstring(cls):
     missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name, "").strip()]
     assert not missing, f"{cls.__name__}: keys without a docstring: {missing}"
     assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{cls.__name__} has no docstring"
+
+
+def test_explain_config_prints_each_key_under_its_documentation(capsys):
+    """``train --explain-config``: the resolved config as YAML with each key's docstring as comments above it;
+    it reads back to the same config as ``--print-config``."""
+    import yaml
+
+    from scaletrain.cli import main as cli_main
+
+    assert cli_main(["train", "--config", "moce_d4", "--explain-config", "optim.lr=2e-3"]) == 0
+    text = capsys.readouterr().out
+    cfg = load_config("moce_d4", ["optim.lr=2e-3"])
+    assert yaml.safe_load(text) == yaml.safe_load(dump_yaml(cfg))
+    from scaletrain.config import to_dict
+
+    def expect(tree, cls, pad):  # every key directly under the last line of its docstring
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for key, value in tree.items():
+            yield f"{pad}# {docs[key].splitlines()[-1]}\n{pad}{key}:"
+            if dataclasses.is_dataclass(hints[key]):
+                yield from expect(value, hints[key], pad + "  ")
+
+    wanted = list(expect(to_dict(cfg), Config, ""))
+    assert len(wanted) > 100 and [w for w in wanted if w not in text] == []
+    assert "  # Peak learning rate, reached at the end of the warm-up (> 0).\n  lr: 0.002\n" in text
+    assert "    # Conv experts each position is routed to (>= 1).\n    top_k: 2\n" in text
 
 
 @pytest.mark.parametrize("cls", [c for c in _sections() if c is not Config], ids=lambda c: c.__name__)
