@@ -31,6 +31,7 @@ import torch
 
 from scaletrain.data.sources import fetch_options
 from scaletrain.data.stream import ShardStream
+from scaletrain.engine.model_prep import compile_on
 from scaletrain.train.compile_stats import compile_metrics
 from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
@@ -122,8 +123,6 @@ class StepLogger:
                 tracker, vocab) -> "StepLogger":
         """Every ``train.log_every`` updates; bytes/s with the byte tokenizer; MFU (:mod:`scaletrain.train.mfu`);
         compile/* metrics where ``engine.compile`` is on."""
-        from scaletrain.engine.model_prep import compile_on
-
         return cls(cfg.train.log_every, cfg.train.max_steps, engine, unit, state, clock, budget, tracker,
                    byte_level=cfg.data.tokenizer == "byte", mfu=MfuEstimator.for_run(cfg, vocab.size, engine),
                    compiled=compile_on(cfg))
