@@ -14,7 +14,7 @@ Expert parallelism (moe.ep_size > 1), DDP: the expert parameters are given to DD
 ignore (``_ddp_params_and_buffers_to_ignore``: no all-reduce, no start-up broadcast of rank 0's
 experts); at the update their gradients are summed over the expert-data-parallel group / W and the
 clip norm counts each expert once (``scaletrain.parallel.grads``). The DeepSpeed plugin: as the
-DeepSpeed engine (ZeRO-0/1/2, fp32; ``deepspeed_driver``).
+DeepSpeed engine (ZeRO-0 in fp32 or bf16, ZeRO-1/2; ``deepspeed_driver``).
 """
 from __future__ import annotations
 
@@ -144,16 +144,17 @@ class AccelerateEngine(Engine):
         else:
             self.model.train(mode)
 
-    def forward(self, src, tgt_in):
-        if self._ds is None and self.model.training and torch.is_grad_enabled():
+    def forward(self, src, tgt_in, src_padded: bool = True):
+        if self._ds is not None:
+            return self._ds.forward(src, tgt_in, src_padded)
+        if self.model.training and torch.is_grad_enabled():
             # DDP reads no_sync at forward time: enter the accumulation context here, leave after backward.
             if self._ctx is not None:
                 raise RuntimeError("AccelerateEngine.forward called twice without backward")
             self._ctx = contextlib.ExitStack()
             self._ctx.enter_context(self.acc.accumulate(self.model))
-        if self._ds is None:
-            cudagraph_step_begin(self._cudagraphs and self.model.training)
-        return self.model(src, tgt_in)
+        cudagraph_step_begin(self._cudagraphs and self.model.training)
+        return self.model(src, tgt_in, src_padded=src_padded)
 
     def backward(self, loss):
         if self._ds is not None:

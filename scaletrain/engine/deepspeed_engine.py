@@ -70,8 +70,8 @@ class DeepSpeedEngine(Engine):
     def train(self, mode: bool = True):
         self.driver.train(mode)
 
-    def forward(self, src, tgt_in):
-        return self.driver.forward(src, tgt_in)
+    def forward(self, src, tgt_in, src_padded: bool = True):
+        return self.driver.forward(src, tgt_in, src_padded)
 
     def backward(self, loss):
         self.driver.backward(loss)

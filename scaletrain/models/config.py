@@ -364,11 +364,11 @@ class MoEConfig:
     """A dense expert (``moe.ffn_dim`` wide) every token also goes through; its output is added."""
     ep_size: int = 1
     """Expert-parallel group size (>= 1, dividing ``num_experts``): each MoE layer's FFN experts are split over
-    this many ranks (Accelerate DDP; DeepSpeed ZeRO-0 fp32, ZeRO-1/2)."""
+    this many ranks (Accelerate DDP; DeepSpeed ZeRO-0 fp32/bf16, ZeRO-1/2; docs/EXPERT_PARALLEL.md)."""
     moce_partition: bool = False
     """MoCE (arch moce) with ``ep_size`` > 1: also spread each Ada-MSHA layer's conv experts over the EP group
     (scaletrain.models.moce_ep). Off by default: they are small, moving a window costs more than computing
-    it (README, "Expert parallelism"), so they stay replicated like every other dense weight."""
+    it (docs/EXPERT_PARALLEL.md, "Expert-parallel MoCE"), so they stay replicated like every other dense weight."""
 
     def enabled(self) -> bool:
         return self.num_experts > 0
