@@ -29,12 +29,10 @@ from scaletrain.data.sources import run_source
 from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
-from scaletrain.engine.model_prep import compile_on
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
-from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.nonfinite import NonfiniteGuard
 from scaletrain.train.sync_count import step_range
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
@@ -89,25 +87,22 @@ class Trainer:
             cfg.data, "train", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab,
             num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
-        tc = cfg.train
         self.state = TrainState()
         self.clock = TrainClock(self.state)
-        self.budget = TimeBudget(tc.max_minutes, self.state)
-        self.save_timer = SaveTimer(tc.save_every_minutes, self.state)
-        self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
-                                      on_save_error=tc.on_save_error)
+        self.budget = TimeBudget.for_run(cfg, self.state)
+        self.save_timer = SaveTimer.for_run(cfg, self.state)
+        self.ckpt = CheckpointManager.for_run(cfg, eng)
         self.recorder = RunRecorder(cfg, eng, self.out_dir)
         self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (ReplayFilter)
-        self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
-        self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
-                                 byte_level=cfg.data.tokenizer == "byte",
-                                 mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng), compiled=compile_on(cfg))
-        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
-                                   lambda: self.build_model(expert_parallel=False))
-        self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
-        self.preemption = Preemption(tc.preempt_grace_seconds)
-        self.nonfinite = NonfiniteGuard(tc, self.out_dir, eng, self.state, self.vocab)
-        self.oom = OomPolicy(tc.on_oom, cfg.data.max_tokens, eng.world_size)
+        self.unit = TranslationUnit.for_run(cfg, eng, self.vocab)
+        self.logger = StepLogger.for_run(cfg, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
+                                         self.vocab)
+        self.evaluator = Evaluator.for_run(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
+                                           lambda: self.build_model(expert_parallel=False))
+        self.stopper = EarlyStopper.for_run(cfg, self.ckpt.root, eng, self.state)
+        self.preemption = Preemption.for_run(cfg)
+        self.nonfinite = NonfiniteGuard.for_run(cfg, eng, self.state, self.vocab)
+        self.oom = OomPolicy.for_run(cfg, eng)
         self.prefetcher: Prefetcher | None = None  # made in fit()
         self._pending: list = []  # (step, StepOutput, host batches, stream position) not yet read (_settle)
         self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
@@ -153,7 +148,7 @@ class Trainer:
         baseline = self._baseline()
         if self.cfg.train.valid_every and st.step == 0:
             self.evaluator.validation_loss()  # the start of the validation curve
-        self.prefetcher = Prefetcher(self.stream, iter(self.stream), self.cfg.engine.grad_accum, eng.device)
+        self.prefetcher = Prefetcher.for_run(self.cfg, self.stream, eng)
         self._pending = []
         if st.step < self.cfg.train.max_steps:
             self.prefetcher.fetch()  # the first step's batches (opening the stream: outside the step ranges)

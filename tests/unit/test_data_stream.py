@@ -181,8 +181,8 @@ def test_bad_settings_are_user_errors(data):
 
 def test_token_budget_bound_is_one_example_and_shared_with_the_config(data):
     """``2 * max_bytes + 3`` is exactly what one truncated example costs (``Batch.padded_tokens``);
-    the stream and ``config.validate`` accept and refuse the same budgets."""
-    from scaletrain.config import Config, validate
+    the stream and ``Config.validate`` accept and refuse the same budgets."""
+    from scaletrain.config import Config
     from scaletrain.data.batch import collate
     from scaletrain.data.example import max_example_tokens, token_budget_problem
 
@@ -196,11 +196,11 @@ def test_token_budget_bound_is_one_example_and_shared_with_the_config(data):
         ShardStream(d, max_tokens=2 * mb + 2, max_bytes=mb)
     cfg = Config()
     cfg.data.max_bytes, cfg.data.max_tokens = mb, 2 * mb + 3
-    validate(cfg)
+    cfg.validate()
     cfg.data.max_tokens = 2 * mb + 2
     with pytest.raises(ScaletrainError, match=r"config key 'data.max_tokens': data.max_tokens=34 cannot hold one "
                                               r"example of data.max_bytes=16"):
-        validate(cfg)
+        cfg.validate()
 
 
 def test_plan_batches_and_equalise_units():

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import TEST_LANGS
 from scaletrain.cli import main as cli_main
-from scaletrain.config import Config, validate
+from scaletrain.config import Config
 from scaletrain.data.inspect_shards import verify
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.data.spm_models import load_shard_vocab
@@ -325,13 +325,13 @@ def test_config_and_tokenizer_errors(django_shards):
     cfg = Config()
     cfg.data.tokenizer = "wordpiece"
     with pytest.raises(ScaletrainError, match="'data.tokenizer': must be byte or spm"):
-        validate(cfg)
+        cfg.validate()
     cfg = Config()
     cfg.data.spm_vocab_size = 8000
     with pytest.raises(ScaletrainError, match="'data.spm_vocab_size'.*set data.tokenizer=spm"):
-        validate(cfg)
+        cfg.validate()
     cfg.data.tokenizer = "spm"
-    validate(cfg)
+    cfg.validate()
     langs = load_manifest(django_shards).languages
     assert isinstance(load_vocab(langs), ByteVocab)
     with pytest.raises(ScaletrainError, match=r"has no SentencePiece model .*--spm-vocab-size N"):
