@@ -4,7 +4,7 @@
 
 The work is :func:`scaletrain.eval.evaluate.evaluate_checkpoint`. Every evaluation is named by what it
 evaluated (``test.full.beam5.lp1.0.step1200``, ``test.first5.beam4.lp1.0.step1200``; see
-:mod:`scaletrain.eval.records`) and recorded under that name: ``RUN/eval/<name>/`` holds ``eval.json``, the
+:mod:`scaletrain.tracking.records`) and recorded under that name: ``RUN/eval/<name>/`` holds ``eval.json``, the
 hypotheses (``hyp.<src>-<tgt>.txt``, line-aligned with ``ref.*`` and ``src.*``) and ``scores.png`` (per-group
 BLEU/chrF beside a copy-the-source baseline); MLflow gets a run of that name nested under the training run.
 Only the run's full evaluation (every line, the recipe's decoding settings) updates the training run's own

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: decode every line of a split, score BLEU/chrF per direction and group.
 
 A copy-the-source baseline is scored on the same lines (``scaletrain evaluate`` prints it beside the
-model). Each evaluation is named by what it evaluated (:mod:`scaletrain.eval.records`: split, lines,
+model). Each evaluation is named by what it evaluated (:mod:`scaletrain.tracking.records`: split, lines,
 beam, length penalty, length limit, step) and recorded under that name: :func:`write_record` writes
 ``RUN/eval/<name>/`` and :func:`log_to_mlflow` a run nested under the training run; only the run's full
 evaluation of a split (every line, the recipe's settings) updates the training run's own ``<split>/...``
@@ -21,7 +21,7 @@ from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
 from scaletrain.eval.generate import train_length_ratios, translate_examples
 from scaletrain.eval.in_training import first_n_per_direction
-from scaletrain.eval.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
+from scaletrain.tracking.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
 from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions
 
 log = logging.getLogger("scaletrain")
@@ -62,7 +62,7 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
                         max_len_b=None, device="cpu", progress=True) -> dict:
     """Decode ``split`` (default: the recipe's ``eval.split``) of the checkpoint and score it; decoding
     settings default to the recipe's ``eval`` section. The result's ``evaluation`` describes what was
-    evaluated (:class:`~scaletrain.eval.records.EvalSpec`), ``name`` names it."""
+    evaluated (:class:`~scaletrain.tracking.records.EvalSpec`), ``name`` names it."""
     model, cfg, vocab, trainer_state, ckpt = load_for_inference(path, device)
     ec = cfg.eval
     split = split or ec.split

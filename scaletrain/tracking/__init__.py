@@ -10,6 +10,8 @@ node's system-metrics sampler.
 * :mod:`~scaletrain.tracking.sync` - ``scaletrain tracking sync``: upload what the server missed;
 * :mod:`~scaletrain.tracking.store` - the store's URI, a client, fast-failing HTTP, MLflow-safe names,
   experiments, run names;
+* :mod:`~scaletrain.tracking.records` - what an evaluation is called (``test.full.beam5.lp1.0.step1200``) and
+  where its record lives (``eval`` writes them, ``compare`` reads them);
 * :mod:`~scaletrain.tracking.evaluations` - each evaluation as a run nested under the training run;
 * :mod:`~scaletrain.tracking.system_metrics` - one system-metrics sampler per node, outage-proof;
 * :mod:`~scaletrain.tracking.plots` - a run's learning curves, expert usage, evaluation bars (matplotlib, Agg);
@@ -17,8 +19,7 @@ node's system-metrics sampler.
   as a module (``from scaletrain.tracking.compare import compare, load_runs``): its ``compare`` function is
   not re-exported here, where it would hide the module of the same name.
 
-Layer: imports :mod:`scaletrain.errors`, :mod:`scaletrain.fileio` and (``compare`` only)
-:mod:`scaletrain.eval.records`; never the training loop, engines, models or data. mlflow, matplotlib and
+Layer: imports :mod:`scaletrain.errors` and :mod:`scaletrain.fileio` only; never the training loop, engines, models or data. mlflow, matplotlib and
 torch (``broadcast_run_id``) are imported inside the functions that use them, so importing this package is
 cheap. The training loop reaches it through :mod:`scaletrain.train.recorder` (and
 :mod:`scaletrain.train.replay`, which reads the journal).

@@ -12,7 +12,7 @@ evaluation runs nested under training runs are not listed as runs of their own).
 * ``final`` and ``best`` of the learning-curve metrics (train loss, validation nll, in-training BLEU/chrF),
 * ``final``, ``min`` and ``max`` of any other metric asked for with ``--metric`` (``-`` where a run has none),
 * per evaluated split, an ``evaluation (<split>)`` row naming the evaluation the scores below it come
-  from (:mod:`scaletrain.eval.records`), then its scores per group (``<split>/bleu/<group>``,
+  from (:mod:`scaletrain.tracking.records`), then its scores per group (``<split>/bleu/<group>``,
   ``<split>/chrf/<group>``). Of a run's evaluations of a split the run's full one is shown (every line, the
   recipe's settings; the latest step), else a full-split one with other settings, else a record from
   before evaluations were named (the training run's own metrics, labelled ``old record``), else a
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.records import EVALUATION, KIND_TAG, TAG_PREFIX, headline_tag
+from scaletrain.tracking.records import EVALUATION, KIND_TAG, TAG_PREFIX, headline_tag
 from scaletrain.tracking.evaluations import evaluation_runs
 from scaletrain.tracking.journal import RUN_FILE
 from scaletrain.tracking.plots import BASELINE_KEY

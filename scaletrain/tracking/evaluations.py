@@ -1,7 +1,7 @@
 """Evaluations in MLflow: each ``scaletrain evaluate`` is a run nested under the training run.
 
 :func:`log_evaluation` records one evaluation as a run nested under the training run (same store and
-experiment), named by what it evaluated (:mod:`scaletrain.eval.records` says why); only the run's full
+experiment), named by what it evaluated (:mod:`scaletrain.tracking.records` says why); only the run's full
 evaluation also writes the training run's own ``<split>/...`` metrics. These are one-shot writes from a
 command that has already waited for its decoding, so they go to the store directly, not through the
 background sender. :func:`evaluation_runs` lists a training run's evaluations (``scaletrain compare``).

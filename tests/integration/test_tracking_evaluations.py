@@ -11,7 +11,7 @@ from tracking_server import Server  # tests/integration/tracking_server.py
 
 from scaletrain import tracking as T
 from scaletrain.tracking.compare import compare, load_runs
-from scaletrain.eval.records import EvalSpec, headline_tag
+from scaletrain.tracking.records import EvalSpec, headline_tag
 
 
 @pytest.fixture(scope="module")

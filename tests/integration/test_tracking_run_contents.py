@@ -108,7 +108,7 @@ def test_evaluate_logs_to_the_recipes_tracking_store(tmp_path, monkeypatch):
     the training run, in its experiment; the training run's status is left as it was."""
     from scaletrain import tracking as T
     from scaletrain.eval.evaluate import log_to_mlflow
-    from scaletrain.eval.records import EvalSpec
+    from scaletrain.tracking.records import EvalSpec
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)

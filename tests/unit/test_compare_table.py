@@ -171,7 +171,7 @@ def test_old_records_still_show(tmp_path, monkeypatch):
     record with what its eval_test.json says; nested evaluation runs are not listed as runs."""
     from scaletrain import tracking as T
     from scaletrain.tracking.compare import load_runs
-    from scaletrain.eval.records import EvalSpec
+    from scaletrain.tracking.records import EvalSpec
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"

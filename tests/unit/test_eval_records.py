@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from scaletrain.eval.records import EvalSpec, checkpoint_label, shards_label
+from scaletrain.tracking.records import EvalSpec, checkpoint_label, shards_label
 
 
 def _spec(**kw) -> EvalSpec:

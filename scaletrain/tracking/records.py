@@ -36,7 +36,8 @@ list does not grow with every subset tried; the description of each evaluation i
 artifacts. The training run keeps the headline keys its full evaluation wrote, with the tag
 ``scaletrain.full_eval.<split>`` naming that evaluation (and ``...run_id``, ``...step`` beside it).
 
-This module imports neither torch nor MLflow (``scaletrain compare`` reads names and tags with it).
+This module imports neither torch nor MLflow (``scaletrain compare`` reads names and tags with it); it sits in
+the tracking package, below ``eval``, which writes the records it names.
 """
 from __future__ import annotations
 
