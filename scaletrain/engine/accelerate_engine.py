@@ -103,6 +103,7 @@ class AccelerateEngine(Engine):
         self.rank = self.acc.process_index
         self.world_size = self.acc.num_processes
         self.local_rank = self.acc.local_process_index
+        self.build_parallel(cfg)
         self.device = self.acc.device
         self.model = None
         self._ds: DeepSpeedDriver | None = None
@@ -113,7 +114,7 @@ class AccelerateEngine(Engine):
     def setup(self, model):
         model = prepare_model(model, self.cfg)
         self._cudagraphs = uses_cudagraphs(self.cfg)
-        self.ep = ExpertParallelGrads(model)
+        self.ep = ExpertParallelGrads(model, self.parallel)
         experts = self.ep.snapshot() if self.ep.active else None
         if self.ep.active and self.mode == "ddp":  # DDP neither reduces nor broadcasts the experts
             model._ddp_params_and_buffers_to_ignore = list(self.ep.expert_names)
@@ -126,7 +127,7 @@ class AccelerateEngine(Engine):
             if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
                 self.ep.restore(experts)
             # Accelerate hands DeepSpeed only its own scheduler types: ours is stepped by the driver
-            self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, scheduler=self.scheduler,
+            self._ds = DeepSpeedDriver(self.acc.deepspeed_engine_wrapped.engine, self.parallel, scheduler=self.scheduler,
                                        clip_norm=float(self.cfg.optim.clip_norm), cudagraphs=self._cudagraphs)
             self.device = self._ds.device
 

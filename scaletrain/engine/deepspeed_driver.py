@@ -20,6 +20,7 @@ from scaletrain.engine.device_skip import (can_skip_on_device, clip_, grad_norm,
 from scaletrain.engine.model_prep import cudagraph_step_begin
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel import ParallelContext
 from scaletrain.parallel.grads import ExpertParallelGrads
 from scaletrain.parallel.state import expert_checkpoint_load, rank0_layout, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
@@ -123,11 +124,12 @@ class DeepSpeedDriver:
     over the EDP group instead of summing them over the EP group).
     """
 
-    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0, cudagraphs: bool = False):
+    def __init__(self, ds_engine, parallel: ParallelContext, scheduler=None, clip_norm: float = 0.0,
+                 cudagraphs: bool = False):
         self.e = ds_engine
         self.cudagraphs = cudagraphs  # engine.compile_mode=reduce-overhead on CUDA (model_prep.uses_cudagraphs)
         self.scheduler = scheduler
-        self.ep = ExpertParallelGrads(ds_engine.module)
+        self.ep = ExpertParallelGrads(ds_engine.module, parallel)
         self.clip_norm = clip_norm
         # ZeRO-0: our reduction (DeepSpeed's off); ZeRO-1/2: DeepSpeed's MoE path (``expert_setup``)
         self.own_ep = self.ep.active and ds_engine.zero_optimization_stage() == 0

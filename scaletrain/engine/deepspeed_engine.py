@@ -39,11 +39,12 @@ class DeepSpeedEngine(Engine):
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
+        self.build_parallel(cfg)
         self.driver: DeepSpeedDriver | None = None
 
     def setup(self, model):
         model = prepare_model(model, self.cfg)
-        ep = ExpertParallelGrads(model)
+        ep = ExpertParallelGrads(model, self.parallel)
         experts = ep.snapshot() if ep.active else None
         stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
         with expert_setup(model, ep, stage):  # expert parallelism: owned experts, DeepSpeed's MoE path
@@ -55,7 +56,7 @@ class DeepSpeedEngine(Engine):
             )
         if experts is not None:  # DeepSpeed broadcast rank 0's parameters, experts included
             ep.restore(experts)
-        self.driver = DeepSpeedDriver(engine, clip_norm=float(self.cfg.optim.clip_norm),
+        self.driver = DeepSpeedDriver(engine, self.parallel, clip_norm=float(self.cfg.optim.clip_norm),
                                       cudagraphs=uses_cudagraphs(self.cfg))
         self.device = self.driver.device
 

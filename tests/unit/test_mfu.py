@@ -65,12 +65,13 @@ def test_deepspeed_loss_scale_reads_the_optimizers_current_scale():
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
 
     from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+    from scaletrain.parallel import ParallelContext
 
     def driver(fp16, optimizer):
         e = SimpleNamespace(fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: False,
                             zero_optimization=lambda: True, zero_optimization_stage=lambda: 1,
                             optimizer=optimizer, module=torch.nn.Linear(2, 2))
-        return DeepSpeedDriver(e)
+        return DeepSpeedDriver(e, ParallelContext.single())
 
     scaler = LossScaleConfig(torch.float16, dynamic_loss_scale=True, static_loss_scale=1.0, dynamic_loss_args=None,
                              initial_dynamic_scale=2.0**12)

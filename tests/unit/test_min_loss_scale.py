@@ -12,6 +12,7 @@ import torch
 from scaletrain.engine.accelerate_engine import AccelerateEngine
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel import ParallelContext
 
 LINE = r"fp16 loss scale reached its minimum \(1\): the gradients overflow at every scale"
 
@@ -36,7 +37,7 @@ class FakeDS:
 
 def test_deepspeed_minimum_scale_is_one_line():
     with pytest.raises(ScaletrainError, match=LINE):
-        DeepSpeedDriver(FakeDS()).step()
+        DeepSpeedDriver(FakeDS(), ParallelContext.single()).step()
 
 
 def _accelerate_engine(scale: float, skipped: bool) -> AccelerateEngine:
