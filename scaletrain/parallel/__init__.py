@@ -13,6 +13,9 @@
   and decoder step and join each other's exchanges with no rows.
 - ``grads.py``: expert-gradient reduction over the expert-data-parallel group (scaled by the world
   size, so the update does not depend on ep_size) and the clipping norm that counts each expert once.
+
+Layer: below ``models`` and ``engine`` (both import it); it imports only torch, ``errors``,
+``safeload`` and ``fileio``. With ``engine/`` the only place that makes process groups (tested).
 """
 from scaletrain.parallel.context import ParallelContext, ParallelDims, build_parallel_context, ep_size_problem
 
