@@ -34,29 +34,34 @@ from scaletrain.parallel.grads import ExpertParallelGrads
 MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
+def check_accelerate_launch(cfg) -> None:
+    """One line where ``accelerate launch`` was given a DeepSpeed config that is not this run's."""
+    launcher_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if launcher_ds and cfg.engine.accelerate != "deepspeed":
+        raise ScaletrainError(
+            "accelerate launch was given a DeepSpeed config (distributed_type: DEEPSPEED) but "
+            "engine.accelerate is 'ddp'; set engine.accelerate=deepspeed or launch with ds_configs/accelerate_ddp.yaml"
+        )
+    launcher_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if launcher_ds and launcher_file:
+        from scaletrain.engine.ds_config import resolve_ds_config_path
+
+        ours = resolve_ds_config_path(cfg.engine.ds_config).resolve()
+        theirs = Path(launcher_file)
+        if not theirs.is_file() or theirs.resolve() != ours:
+            raise ScaletrainError(
+                f"the accelerate launch config names deepspeed_config_file {launcher_file} but engine.ds_config "
+                f"is {cfg.engine.ds_config} ({ours}); make them the same file "
+                "(launch.sh passes --deepspeed_config_file from engine.ds_config)"
+            )
+
+
 class AccelerateEngine(DrivenEngine):
     def __init__(self, cfg):
         self.cfg = cfg
         self.mode = cfg.engine.accelerate
         cuda = torch.cuda.is_available()
-        launcher_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if launcher_ds and self.mode != "deepspeed":
-            raise ScaletrainError(
-                "accelerate launch was given a DeepSpeed config (distributed_type: DEEPSPEED) but "
-                "engine.accelerate is 'ddp'; set engine.accelerate=deepspeed or launch with ds_configs/accelerate_ddp.yaml"
-            )
-        launcher_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        if launcher_ds and launcher_file:
-            from scaletrain.engine.ds_config import resolve_ds_config_path
-
-            ours = resolve_ds_config_path(cfg.engine.ds_config).resolve()
-            theirs = Path(launcher_file)
-            if not theirs.is_file() or theirs.resolve() != ours:
-                raise ScaletrainError(
-                    f"the accelerate launch config names deepspeed_config_file {launcher_file} but engine.ds_config "
-                    f"is {cfg.engine.ds_config} ({ours}); make them the same file "
-                    "(launch.sh passes --deepspeed_config_file from engine.ds_config)"
-                )
+        check_accelerate_launch(cfg)
         expected = int(os.environ.get("WORLD_SIZE", "1"))
         configure_threads(cfg)  # first: the precision probe runs on the rank's threads
         self.ds_config = preflight(cfg, expected)
