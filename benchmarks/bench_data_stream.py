@@ -15,7 +15,7 @@ Printed per corpus:
   loader, plus the training process's CPU time per batch (what the workers take off the training
   loop);
 * a naive one-pair-per-sample WebDataset layout (``webdataset`` + per-pair decode + collate) on
-  the same pairs, as the reference the issue quotes;
+  the same pairs, the common layout the shard format is measured against;
 * shard overhead: tar bytes / UTF-8 payload (target <= 1.15);
 * padding waste of the bucketed token-budget batches: padded tokens / all tokens (target <= 10%),
   per budget (``--max-tokens`` and the training default 4096) and window size, with the mean batch

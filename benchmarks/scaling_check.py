@@ -4,7 +4,7 @@
 
 For each ZeRO stage, two CPU ranks (``deepspeed --num_gpus 2``, one thread each) train the recipe's
 model on the bundled shards (fp32, the recipe's batch) through scaletrain's own engine, and every
-collective DeepSpeed issues is counted: bytes each rank sends per update, in ring terms (all-reduce
+collective DeepSpeed launches is counted: bytes each rank sends per update, in ring terms (all-reduce
 2 (N-1)/N x size, reduce-scatter / all-gather / broadcast (N-1)/N x the full size). One rank alone
 gives the compute-only step time, and a timed gloo all-reduce of 32 MiB gives the link's effective
 bandwidth. ``scaling_model.py`` then predicts, per stage, the bytes per rank (``comm_bytes`` with the

@@ -1,7 +1,7 @@
-"""Soak test of a long job (issue 14 item 11; not in CI): 2-rank training under the ``deepspeed`` launcher with
+"""Soak test of a long job (not in CI): 2-rank training under the ``deepspeed`` launcher with
 random faults, resumed after each one by re-running the same command, then checked against an uninterrupted run.
 
-    python benchmarks/soak.py --minutes 20 --faults 10          # what the issue asks for
+    python benchmarks/soak.py --minutes 20 --faults 10          # the full soak: 20 minutes, 10 faults
     python benchmarks/soak.py --minutes 4 --faults 3 --seed 1   # a quick look
 
 Faults (random order and times, each kind at least once when --faults >= 3):

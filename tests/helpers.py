@@ -16,6 +16,20 @@ TEST_LANGS = ["de", "ru", "ar", "hi", "ja"]
 # Scripts the launchers run, relative to ROOT (the launchers' working directory).
 DIST_DRIVER = "tests/integration/dist_driver.py"  # train one recipe, save this rank's parameters
 REPLAY_DRIVER = "tests/integration/test_engine_replay.py"  # train fixed-batch jobs (engine equivalence)
+# The engines a test trains through in its own process (world of one): config overrides per name.
+IN_PROCESS_ENGINES = {
+    "deepspeed": ["engine.backend=deepspeed", "engine.ds_config=zero0.json"],
+    "accelerate": ["engine.backend=accelerate", "engine.accelerate=ddp"],
+    "accelerate-deepspeed": ["engine.backend=accelerate", "engine.accelerate=deepspeed", "engine.ds_config=zero0.json"],
+}
+
+
+def reset_accelerate() -> None:
+    """Accelerate keeps one process-wide state (mixed precision, the DeepSpeed plugin): each run in this process
+    starts its own."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def tiny_model(d_model: int = 32, n_heads: int = 2, layers: int | tuple[int, int] = 1, ffn_dim: int = 64,

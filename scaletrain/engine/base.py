@@ -165,7 +165,11 @@ class Engine(ABC):
         """Training (dropout on) or evaluation mode of the wrapped model."""
 
     @abstractmethod
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_padded: bool = True) -> torch.Tensor:
+        """The wrapped model's logits. ``src_padded=False`` promises that ``src`` holds no PAD (the batch's
+        host-side count, ``Batch.src_padded``): the model then attends without a key-padding mask
+        (``Transformer.encode``; FlashAttention on CUDA). Under ``engine.compile`` each value is a graph of
+        its own (two at most)."""
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ class DDPDriver:
     def train(self, mode: bool) -> None:
         self.model.train(mode)
 
-    def forward(self, src, tgt_in):
+    def forward(self, src, tgt_in, src_padded: bool = True):
         if self.model.training and torch.is_grad_enabled():
             # DDP reads no_sync at forward time: enter the accumulation context here, leave after backward.
             if self._ctx is not None:
@@ -61,7 +61,7 @@ class DDPDriver:
             self._ctx = contextlib.ExitStack()
             self._ctx.enter_context(self.acc.accumulate(self.model))
         cudagraph_step_begin(self.cudagraphs and self.model.training)
-        return self.model(src, tgt_in)
+        return self.model(src, tgt_in, src_padded=src_padded)
 
     def backward(self, loss) -> None:
         try:

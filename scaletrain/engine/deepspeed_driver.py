@@ -89,8 +89,12 @@ class DeepSpeedDriver:
         if self.ep.active:
             if ds_engine.zero_optimization_stage() not in (0, 1, 2) or ds_engine.fp16_enabled() \
                     or (self.own_ep and ds_engine.bfloat16_enabled()):
-                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 (README, "
-                                      "'Expert parallelism'); use engine.ds_config=zero0.json engine.precision=fp32")
+                # ZeRO-0 with DeepSpeed's own bf16/fp16 optimizer (FP16_UnfusedOptimizer) would copy rank 0's
+                # experts into its fp32 master weights (ds_config._expert_parallel_refusal); bf16 at ZeRO-0
+                # reaches DeepSpeed as torch autocast (ds_config.runtime_ds_config) and passes here
+                raise ScaletrainError("moe.ep_size > 1 under DeepSpeed needs ZeRO-0/1/2 in fp32 or bf16, with bf16 at "
+                                      "ZeRO-0 as torch autocast (docs/EXPERT_PARALLEL.md); use "
+                                      "engine.ds_config=zero0.json engine.precision=bf16 or fp32")
             if not self.own_ep and not getattr(ds_engine, "has_moe_layers", False):
                 raise ScaletrainError("DeepSpeed did not take the expert parameters (build the engine inside "
                                       "scaletrain.engine.experts.expert_setup)")
@@ -126,9 +130,9 @@ class DeepSpeedDriver:
     def train(self, mode: bool) -> None:
         self.e.train(mode)
 
-    def forward(self, src, tgt_in):
+    def forward(self, src, tgt_in, src_padded: bool = True):
         cudagraph_step_begin(self.cudagraphs and self.e.module.training)
-        return self.e(src, tgt_in)
+        return self.e(src, tgt_in, src_padded=src_padded)
 
     def backward(self, loss) -> None:
         self.e.backward(loss)
@@ -317,11 +321,33 @@ class DeepSpeedDriver:
                 self._load(ckpt_dir, tag)
 
     def _load(self, ckpt_dir: Path, tag: str) -> None:
-        with weights_only_loads():  # DeepSpeed's own torch.load calls weights_only=False
-            path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                             load_lr_scheduler_states=True)
+        try:
+            with weights_only_loads():  # DeepSpeed's own torch.load calls weights_only=False
+                path, _ = self.e.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
+        except (KeyError, ValueError, TypeError, RuntimeError):
+            refuse_unfused_layout(Path(ckpt_dir) / tag)  # diagnosed only on failure: no second read of a good one
+            raise
         if path is None:
             raise ScaletrainError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
+
+
+def refuse_unfused_layout(ckpt: Path) -> None:
+    """One line for a ZeRO-0 16-bit checkpoint written with DeepSpeed's FP16_UnfusedOptimizer (bf16 at ZeRO-0
+    before it ran as torch autocast, ``ds_config.runtime_ds_config``): its ``optimizer`` entry holds the
+    wrapper's state (loss scaler, fp32 master copies, the inner optimizer's state), which today's plain
+    optimizer cannot take. Returns when the file does not have that layout (the caller re-raises)."""
+    f = ckpt / "mp_rank_00_model_states.pt"
+    if not f.is_file():
+        return
+    sd = safe_torch_load(f)
+    opt = sd.get("optimizer") if isinstance(sd, dict) else None
+    if isinstance(opt, dict) and "fp32_groups" in opt and "optimizer_state_dict" in opt and "param_groups" not in opt:
+        raise ScaletrainError(
+            f"{ckpt}: its optimizer state was written by DeepSpeed's FP16_UnfusedOptimizer (bf16 at ZeRO-0 before "
+            "scaletrain ran it as torch autocast over fp32 weights) and cannot be resumed; start a new "
+            "train.out_dir (train.resume=false in this one would write over its checkpoints), or use its weights "
+            "with evaluate, translate, average or export, which read them") from None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ class Driver(Protocol):
     def train(self, mode: bool) -> None:
         """Training (dropout on) or evaluation mode of the wrapped model."""
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's forward through the wrapped model."""
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_padded: bool = True) -> torch.Tensor:
+        """One micro-batch's forward through the wrapped model (``Engine.forward``)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (``Engine.backward``)."""
@@ -88,8 +88,8 @@ class DrivenEngine(Engine):
     def train(self, mode: bool = True) -> None:
         self.driver.train(mode)
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        return self.driver.forward(src, tgt_in)
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_padded: bool = True) -> torch.Tensor:
+        return self.driver.forward(src, tgt_in, src_padded)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.driver.backward(loss)

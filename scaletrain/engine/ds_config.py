@@ -108,10 +108,11 @@ def _expert_parallel_refusal(stage: int, prec: str) -> str:
         return "DeepSpeed refuses MoE under ZeRO-3, 'Native DeepSpeed MoE is not supported with ZeRO Stage 3'"
     if stage == 0:
         # DeepSpeedEngine._do_optimizer_sanity_check: no ZeRO, model dtype == gradient-accumulation dtype
-        # (bf16/fp16) -> FP16 / DDP_BFLOAT16 -> _configure_fp16_optimizer, and a client optimizer that is not
-        # FusedAdam -> FP16_UnfusedOptimizer, which clones fp32 master weights inside deepspeed.initialize.
-        # Measured with the refusal removed (ep 2 vs 1, 8 updates): rank 1's experts end equal to rank 0's
-        # within 5% and the loss parts by 1.6e-2.
+        # (fp16) -> FP16 -> _configure_fp16_optimizer, and a client optimizer that is not FusedAdam ->
+        # FP16_UnfusedOptimizer, which clones fp32 master weights inside deepspeed.initialize. (bf16 at
+        # ZeRO-0 runs as torch autocast over fp32 weights, runtime_ds_config: no such copy.) Measured in
+        # bf16 with that optimizer (ep 2 vs 1, 8 updates): rank 1's experts end equal to rank 0's within 5%
+        # and the loss parts by 1.6e-2.
         return (f"ZeRO-0 in {prec} makes DeepSpeed wrap the optimizer in its FP16_UnfusedOptimizer, whose fp32 "
                 "master weights are copied while every rank still holds rank 0's broadcast experts, so the first "
                 "update would overwrite each rank's experts with rank 0's")
@@ -166,11 +167,11 @@ def runtime_ds_config(ds: dict) -> dict:
 
 def _check_expert_parallel(cfg, ep: int, path: Path, stage: int, prec: str) -> None:
     """One-line errors for moe.ep_size = ``ep`` > 1 where this DeepSpeed config cannot train it."""
-    if ep > 1 and (stage == 3 or prec == "fp16" or (prec == "bf16" and stage == 0)):
+    if ep > 1 and (stage == 3 or prec == "fp16"):
         raise ScaletrainError(
-            f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16 ({path} has stage "
+            f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0/1/2 in fp32 or bf16 ({path} has stage "
             f"{stage}, engine.precision is {prec}: {_expert_parallel_refusal(stage, prec)}): use "
-            "engine.ds_config=zero0.json engine.precision=fp32, engine.ds_config=zero2.json optim.clip_norm=0, or "
+            "engine.ds_config=zero0.json engine.precision=bf16, engine.ds_config=zero2.json optim.clip_norm=0, or "
             "engine.backend=accelerate engine.accelerate=ddp (any precision)")
     if ep > 1 and stage in (1, 2) and float(cfg.optim.clip_norm) > 0:
         # DeepSpeed's ZeRO-1/2 gradient norm averages each rank's expert norm over the expert-data-parallel

@@ -317,11 +317,11 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
     shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
     # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP;
-    # DeepSpeed ZeRO-0 fp32, ZeRO-1/2)
+    # DeepSpeed ZeRO-0 fp32/bf16, ZeRO-1/2; docs/EXPERT_PARALLEL.md)
     ep_size: int = 1
     # MoCE (arch moce) with ep_size > 1: also spread each Ada-MSHA layer's conv experts over the EP group
     # (scaletrain.models.moce_ep). Off by default: they are small, moving a window costs more than computing
-    # it (README, "Expert parallelism"), so they stay replicated like every other dense weight.
+    # it (docs/EXPERT_PARALLEL.md, "Expert-parallel MoCE"), so they stay replicated like every other dense weight.
     moce_partition: bool = False
 
     def enabled(self) -> bool:

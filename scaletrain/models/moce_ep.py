@@ -35,7 +35,7 @@ expert on another rank sends its window (k Dh values) and receives Dh values; wi
 over P ranks a fraction (P-1)/P of the slots travels. Compared with computing the window locally
 (2 k Dh^2 FLOPs per slot), sending it costs (k + 1) Dh elements: MoCE's experts are small, so the
 exchange pays only where the link moves (k + 1) Dh elements faster than the rank computes 2 k Dh^2
-FLOPs, see ``benchmarks/bench_expert_parallel_moce.py`` and the README.
+FLOPs, see ``benchmarks/bench_expert_parallel_moce.py`` and docs/EXPERT_PARALLEL.md ("Expert-parallel MoCE").
 """
 from __future__ import annotations
 

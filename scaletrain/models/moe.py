@@ -22,7 +22,7 @@ decoder layer (``moe_ffn_factory``). Per token (a row of the flattened [B*T, D] 
    every token.
 
 Host reads (device syncs on an accelerator; counted by ``scaletrain.models.host_reads``): on one
-rank, where ``torch._grouped_mm`` applies (CPU fp32/bf16/fp16; CUDA bf16 on compute capability 9+),
+rank, where ``torch._grouped_mm`` applies (CPU fp32/bf16/fp16, compiled bf16 only; CUDA bf16 on compute capability 9+),
 none: all N*k (token, slot) rows run through one grouped GEMM per projection with device-side group
 ends, the dropped and pad pairs sorted last into the last expert's group with combine weight 0.
 Otherwise one per layer and forward: the per-expert counts (the per-expert loop's sizes; over EP,
@@ -67,8 +67,12 @@ def _grouped_mm_ok(x: torch.Tensor, ffn_dim: int) -> bool:
     d_model and the expert hidden size multiples of 8; the GPU suite's moe-grouped-gemm check); on
     the CPU in fp32/bf16/fp16 (PyTorch's loop over the groups: fwd+bwd 1.7x faster than ours, measured
     [2048, 256] x 8 experts of 1024, fp32, 1 thread), with the same 16-byte row strides. Elsewhere
-    (fp64, odd sizes, older CUDA) the per-expert loop."""
+    (fp64, odd sizes, older CUDA) the per-expert loop. Under ``torch.compile`` (``engine.compile``) bf16
+    only: dynamo traces the call with the op's meta function, which takes CUDA's rule (bf16) on every
+    device, and fails on fp32 CPU activations that the op itself accepts."""
     if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 or (ffn_dim * x.element_size()) % 16:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     if x.device.type == "cpu":
         return x.dtype in _GROUPED_CPU_DTYPES

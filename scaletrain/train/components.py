@@ -164,8 +164,10 @@ class StepLogger:
             metrics["train/bytes_per_s"] = metrics["train/src_tgt_tokens_per_s"]
         if self.compiled:
             metrics.update(compile_metrics())
-        if self.mfu is not None and ex > 0:  # mean sentence-pair lengths of the interval, all ranks
-            metrics.update(self.mfu.metrics(tps, self._src / ex, self._tok / ex))
+        if ex > 0:  # mean sentence-pair lengths of the interval (non-pad tokens), all ranks
+            metrics["train/mean_src_len"], metrics["train/mean_tgt_len"] = self._src / ex, self._tok / ex
+            if self.mfu is not None:
+                metrics.update(self.mfu.metrics(tps, self._src / ex, self._tok / ex))
         scale = eng.loss_scale() if eng.is_main else None
         if scale is not None:
             metrics["train/loss_scale"] = scale

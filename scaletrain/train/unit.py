@@ -32,7 +32,8 @@ class TranslationUnit:
         normalisation it enters as the token-weighted mean over the step's batches (all ranks)."""
         if self.moe_usage is not None:
             self.moe_usage.set_batch(batch.src_lang)  # MoE expert usage per source language
-        logits = self.engine.forward(batch.src, batch.tgt_in)
+        # a batch without source padding (host-side counts) attends without a mask (FlashAttention on CUDA)
+        logits = self.engine.forward(batch.src, batch.tgt_in, src_padded=batch.src_padded)
         loss_sum, nll_sum, ntok = label_smoothed_ce(logits, batch.tgt_out, epsilon=self.label_smoothing,
                                                     ignore_index=self.pad)
         aux = getattr(self.engine.module, "last_aux_loss", None)

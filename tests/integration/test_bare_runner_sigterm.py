@@ -1,4 +1,4 @@
-"""SIGTERM to the bare ``deepspeed`` runner alone (issue 14 items 2/4: a container runtime's SIGTERM to PID 1 when
+"""SIGTERM to the bare ``deepspeed`` runner alone (a container runtime's SIGTERM to PID 1 when
 the user runs ``deepspeed ... -m scaletrain train`` as the container command). The runner does not forward it on
 one node and dies, leaving DeepSpeed's launch.py and the ranks behind; the ranks notice their launcher chain broke
 (scaletrain.train.preemption.LauncherWatch), checkpoint at the next step boundary, write preempted.json and exit,

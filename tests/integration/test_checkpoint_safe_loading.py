@@ -1,4 +1,4 @@
-"""Loading a checkpoint never runs code from it (issue 14, item 1).
+"""Loading a checkpoint never runs code from it.
 
 Real checkpoints of each engine (DeepSpeed ZeRO-2 and ZeRO-3, Accelerate DDP and Accelerate with the
 DeepSpeed plugin) are written by a 2-step run in a fresh process; then every pickle file kind in them

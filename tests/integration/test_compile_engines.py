@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import tiny_model
+from helpers import IN_PROCESS_ENGINES, reset_accelerate, tiny_model
 from scaletrain.config import load_config
 from scaletrain.engine.model_prep import compile_on
 
@@ -17,18 +17,7 @@ pytestmark = [pytest.mark.usefixtures("in_process_training", "isolated_env", "fr
 BASE = [*tiny_model(), "data.max_bytes=40", "data.max_tokens=600", "optim.lr=3e-3", "optim.warmup_steps=4",
         "train.max_steps=4", "train.log_every=1", "train.valid_every=0", "train.valid_max_batches=1",
         "train.save_every=0", "train.resume=false", "tracking.enabled=false", "engine.threads=1"]
-ENGINES = {
-    "deepspeed": ["engine.backend=deepspeed", "engine.ds_config=zero0.json"],
-    "accelerate": ["engine.backend=accelerate", "engine.accelerate=ddp"],
-    "accelerate-deepspeed": ["engine.backend=accelerate", "engine.accelerate=deepspeed", "engine.ds_config=zero0.json"],
-}
-
-
-def _reset_accelerate():
-    """Accelerate keeps one process-wide state (mixed precision, the DeepSpeed plugin): each run starts its own."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
+ENGINES = IN_PROCESS_ENGINES
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +35,7 @@ def _losses(shards, out, engine, precision, *compile_over):
                                        f"data.shards={shards}", f"train.out_dir={out}", *compile_over]))
     res = tr.fit()
     tr.close()
-    _reset_accelerate()
+    reset_accelerate()
     return [v for _, v in res.train_loss], tr
 
 

@@ -1,4 +1,4 @@
-"""Every shipped DeepSpeed config trains on 2 CPU ranks (issue 14, item 9).
+"""Every shipped DeepSpeed config trains on 2 CPU ranks.
 
 The ZeRO-Offload configs (``zero3_offload.json``, ``zero3_offload_optimizer.json``) used to stop at start
 with "ZeRO-Offload with a client provided optimizer"; the ds_config resolver now sets

@@ -66,7 +66,8 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
         assert key in text, (key, text[-6000:])
     # the evaluation's header starts a line of its own (tqdm's bar into a pipe used to swallow it) and no
     # redraw (\r) reaches the log
-    assert re.search(rf"^checkpoint {re.escape(str(out))}\S* \(step 4\), split test:", text, re.M), text
+    assert re.search(r"^evaluation test\.full\.\S+\.step4: test, all \d+ lines, beam 1,", text, re.M), text
+    assert re.search(rf"^checkpoint {re.escape(str(out))}\S*step-0*4, [\d.]+ sentences/s", text, re.M), text
     assert "\r" not in text, text
     nxt = text[text.index("== next"):].splitlines()
     q = str(out)

@@ -1,5 +1,5 @@
 """launch.sh forwards a signal sent to it alone (a container runtime's SIGTERM to PID 1) to the launcher's
-whole process group, and exits 75 when the job wrote OUT/preempted.json (issue 14, item 2).
+whole process group, and exits 75 when the job wrote OUT/preempted.json (preemption).
 
 Runs launch.sh's own launch block (cut from the script between its markers) around a stub launcher whose
 rank-like child checkpoints on SIGTERM: the full script would first install and prepare data."""

@@ -1,4 +1,4 @@
-"""NaN/inf policy (``train.nonfinite``, issue 14 item 6), in this process on the real engines (world of one):
+"""NaN/inf policy (``train.nonfinite``), in this process on the real engines (world of one):
 a NaN loss at one step skips that update (parameters and LR schedule unchanged), is counted, and the step's
 examples are written to OUT/nonfinite/; ``stop`` and ``max_nonfinite`` stop with one line. The 2-rank case
 (NaN on one rank only) is ``test_nonfinite_two_ranks.py``."""

@@ -1,4 +1,4 @@
-"""A NaN loss on one rank of 2 (issue 14 item 6): both ranks skip that update (no rank steps while the other
+"""A NaN loss on one rank of 2: both ranks skip that update (no rank steps while the other
 skips: their parameters stay identical and equal to the previous step's), both count it, and the NaN rank's
 examples are named in OUT/nonfinite/."""
 from __future__ import annotations

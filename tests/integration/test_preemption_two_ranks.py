@@ -1,4 +1,4 @@
-"""Preemption on 2 ranks under the deepspeed launcher (issue 14, item 2): SIGTERM to the job's process
+"""Preemption on 2 ranks under the deepspeed launcher: SIGTERM to the job's process
 group (what a cluster scheduler sends) -> both ranks stop at the same step boundary, a checkpoint of that
 step is written, the MLflow run ends KILLED, OUT/preempted.json names it, all processes exit well before
 the launcher's 30 s SIGKILL; the same command again resumes from that step."""

@@ -1,4 +1,4 @@
-"""kill -9 of one rank of 2 (issue 14 item 3): the other rank stops within seconds with one line naming the
+"""kill -9 of one rank of 2: the other rank stops within seconds with one line naming the
 dead rank, the launcher exits non-zero, and re-running the same job resumes bit-identically to a run that was
 never interrupted."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A hung rank (SIGSTOP; issue 14 item 3): the process group's timeout is engine.collective_timeout_minutes, so the
+"""A hung rank (SIGSTOP): the process group's timeout is engine.collective_timeout_minutes, so the
 other rank's blocked all-reduce fails after that bound (not gloo's default 30 minutes) and it stops with one line
 saying the peers on its host are alive but a collective timed out."""
 from __future__ import annotations

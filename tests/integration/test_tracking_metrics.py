@@ -56,11 +56,15 @@ def test_mfu_is_model_flops_times_tokens_over_the_peak(moe_run):
         assert 0 < mfu[s] <= 1
         assert mfu[s] == pytest.approx(tps[s] * fpt[s] / 0.5e12, rel=1e-9)  # world size 1, peak 0.5 TFLOP/s
         assert _history(c, res.run_id, "train/peak_tflops")[s] == 0.5
-        # the model's own count at some mean lengths within the batches' bounds (<= 41 bytes + tag/eos)
-        lo = estimate_flops_per_token(cfg.model, 1, 1, int(V)) + moe_extra_flops_per_token(cfg.model, cfg.moe, 1, 1)
-        assert lo < fpt[s]
-        hi = estimate_flops_per_token(cfg.model, 42, 42, int(V)) + moe_extra_flops_per_token(cfg.model, cfg.moe, 42, 1)
-        assert fpt[s] < hi
+        # the model's own count (MoE layers included) at the interval's mean lengths, which lie within the
+        # batches' bounds (<= 40 bytes + tag/eos)
+        src_len = _history(c, res.run_id, "train/mean_src_len")[s]
+        tgt_len = _history(c, res.run_id, "train/mean_tgt_len")[s]
+        assert 1 <= src_len <= 42 and 1 <= tgt_len <= 42, (src_len, tgt_len)
+        want = (estimate_flops_per_token(cfg.model, src_len, tgt_len, int(V))
+                + moe_extra_flops_per_token(cfg.model, cfg.moe, src_len, tgt_len))
+        assert fpt[s] == pytest.approx(want, rel=1e-9)
+        assert moe_extra_flops_per_token(cfg.model, cfg.moe, src_len, tgt_len) > 0.05 * want  # MoE counted
 
 
 def test_moe_aux_loss_dropped_tokens_memory_and_data_wait(moe_run):

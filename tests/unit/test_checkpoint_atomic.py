@@ -62,7 +62,7 @@ def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
     with pytest.raises(ScaletrainError, match="simulated.*step-0000010 is intact"):
         _save(mgr, 20)
     root = tmp_path / "checkpoints"
-    # the failed save's partial directory is removed (issue 14: partials no longer pile up)
+    # the failed save's partial directory is removed (partials do not pile up)
     assert not (root / "step-0000020.partial").exists() and not (root / "step-0000020").exists()
     assert mgr.latest() == "step-0000010"
     # the previous checkpoint loads and restores the old weights and stream state

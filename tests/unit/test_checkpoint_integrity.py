@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue 14, item 4): each checkpoint's index.json records every file's sha256;
+"""Checkpoint integrity: each checkpoint's index.json records every file's sha256;
 a corrupt or truncated file is named on load; resume falls back to the newest intact checkpoint (or
 stops, train.on_corrupt_checkpoint=stop); stale .partial directories are removed at start; a full disk
 during a save names the path and the free space, keeps the previous checkpoint and stops (or continues

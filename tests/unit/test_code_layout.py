@@ -1,6 +1,6 @@
 """The shape of the code base itself: short functions, no hidden globals, self-contained docs.
 
-These rules come from the layout issue: ``Trainer.fit`` and every other function stay readable (about
+The rules: ``Trainer.fit`` and every other function stay readable (about
 80 lines at most), nothing hands state to builders through context variables, nothing the project
 ships points at files outside the repository, and README's layout table names paths that exist.
 """

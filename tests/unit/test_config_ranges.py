@@ -1,5 +1,5 @@
 """Every numeric config field is range-checked when the config is loaded, before any engine or process
-starts (issue 14, item 10): one line naming the key."""
+starts: one line naming the key."""
 from __future__ import annotations
 
 import subprocess

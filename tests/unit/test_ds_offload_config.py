@@ -1,4 +1,4 @@
-"""The ds_config resolver lets our optimizer run under ZeRO-Offload (issue 14, item 9); the 2-rank
+"""The ds_config resolver lets our optimizer run under ZeRO-Offload; the 2-rank
 training of every shipped config is tests/integration/test_ds_configs_train.py."""
 from __future__ import annotations
 

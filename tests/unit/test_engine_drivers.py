@@ -55,7 +55,7 @@ class Recorder:
 def test_driven_engine_forwards_every_member(name):
     eng = object.__new__(DeepSpeedEngine)  # no launcher, no process group: the forwarding only
     eng.driver = rec = Recorder()
-    args = {"train": (False,), "forward": ("src", "tgt"), "backward": ("loss",), "abandon_step": (1,),
+    args = {"train": (False,), "forward": ("src", "tgt", False), "backward": ("loss",), "abandon_step": (1,),
             "save": (Path("d"), "t"), "load": (Path("d"), "t")}.get(name, ())
     got = getattr(eng, name) if name in PROPERTIES else getattr(eng, name)(*args)
     assert got == f"<{name}>" or (name in ("train", "backward", "abandon_step", "save", "load") and got is None)

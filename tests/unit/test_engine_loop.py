@@ -39,8 +39,8 @@ class SkippingEngine(Engine):
     def train(self, mode=True):
         self._m.train(mode)
 
-    def forward(self, src, tgt_in):
-        return self._m(src, tgt_in)
+    def forward(self, src, tgt_in, src_padded=True):
+        return self._m(src, tgt_in, src_padded=src_padded)
 
     def backward(self, loss):
         (loss / self.cfg.engine.grad_accum).backward()

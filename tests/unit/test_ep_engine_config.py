@@ -1,7 +1,8 @@
-"""Expert parallelism (moe.ep_size > 1) under DeepSpeed: ZeRO-3 and 16-bit precisions are refused at
-start-up with one line naming the stage, the precision and what to use, ZeRO-1/2 with clipping too;
-ZeRO-0 fp32 resolves with DeepSpeed's gradient clipping off (the driver clips with the EP-aware norm).
-The MoE recipes have the sizes their comments give."""
+"""Expert parallelism (moe.ep_size > 1) under DeepSpeed: ZeRO-3 and fp16 are refused at start-up with one
+line naming the stage, the precision and what to use, ZeRO-1/2 with clipping too; ZeRO-0 in fp32 and in
+bf16 (run as torch autocast over fp32 weights, no DeepSpeed 16-bit optimizer) resolves with DeepSpeed's
+gradient clipping off (the driver clips with the EP-aware norm). The MoE recipes have the sizes their
+comments give."""
 from __future__ import annotations
 
 import pytest
@@ -20,40 +21,52 @@ REASONS = {  # what DeepSpeed 0.19.8 does there (scaletrain/engine/ds_config.py:
 }
 
 
-@pytest.mark.parametrize("ds,prec,why", [("zero3.json", "fp32", "zero3"), ("zero0.json", "bf16", "zero0"),
-                                         ("zero0.json", "fp16", "zero0"), ("zero3.json", "bf16", "zero3"),
-                                         ("zero2.json", "fp16", "fp16")])
+@pytest.mark.parametrize("ds,prec,why", [("zero3.json", "fp32", "zero3"), ("zero0.json", "fp16", "zero0"),
+                                         ("zero3.json", "bf16", "zero3"), ("zero2.json", "fp16", "fp16")])
 def test_ep_refused_where_the_engine_cannot_reduce_experts(ds, prec, why):
     cfg = load_config("small", [*MOE, "optim.clip_norm=0", f"engine.ds_config={ds}", f"engine.precision={prec}"])
     with pytest.raises(ScaletrainError) as e:
         load_ds_config(cfg, 2)
     msg = str(e.value)
-    assert "\n" not in msg and "moe.ep_size=2" in msg and "ZeRO-0 in fp32 or ZeRO-1/2 in fp32 or bf16" in msg and f"is {prec}" in msg
+    assert "\n" not in msg and "moe.ep_size=2" in msg and "ZeRO-0/1/2 in fp32 or bf16" in msg and f"is {prec}" in msg
     assert REASONS[why] in msg and "engine.accelerate=ddp" in msg
 
 
-def test_ep_refusal_names_the_optimizer_deepspeed_picks_for_zero0_bf16():
-    """The reason given is what DeepSpeed does: bf16 without ZeRO and a client optimizer that is not its
-    FusedAdam get FP16_UnfusedOptimizer (not BF16_Optimizer), which clones fp32 master weights."""
+def test_ep_refusal_names_the_optimizer_deepspeed_picks_for_zero0_fp16():
+    """The reason given is what DeepSpeed does: fp16 without ZeRO and a client optimizer that is not its
+    FusedAdam get FP16_UnfusedOptimizer, which clones fp32 master weights."""
     import inspect
 
     import torch
-    from deepspeed.runtime.engine import DDP_BFLOAT16, DeepSpeedEngine
+    from deepspeed.runtime.engine import FP16, DeepSpeedEngine
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    class Bf16Zero0:  # the attributes _do_optimizer_sanity_check reads
+    class Fp16Zero0:  # the attributes _do_optimizer_sanity_check reads
         def get_data_types(self):
-            return torch.bfloat16, torch.bfloat16
+            return torch.float16, torch.float16
 
         def zero_optimization(self):
             return False
 
         pipeline_parallelism = False
 
-    assert DeepSpeedEngine._do_optimizer_sanity_check(Bf16Zero0(), torch.optim.AdamW([torch.zeros(1)])) == DDP_BFLOAT16
+    assert DeepSpeedEngine._do_optimizer_sanity_check(Fp16Zero0(), torch.optim.AdamW([torch.zeros(1)])) == FP16
     src = inspect.getsource(DeepSpeedEngine._configure_fp16_optimizer)
     assert "use_fused_optimizer = isinstance(optimizer, fused_opts)" in src and "FP16_UnfusedOptimizer(" in src
     assert "p.clone().float().detach()" in inspect.getsource(FP16_UnfusedOptimizer.__init__)
+
+
+def test_ep_zero0_bf16_runs_as_autocast_without_deepspeeds_16bit_optimizer():
+    """ZeRO-0 bf16 is accepted because DeepSpeed gets it as torch autocast over fp32 weights: no ``bf16``
+    section enabled, so no FP16_UnfusedOptimizer copying rank 0's experts (the 2-rank equivalence is
+    tests/integration/test_moe_ep_training.py::test_ep2_trains_like_ep1_in_bf16[z0bf16])."""
+    from scaletrain.engine.ds_config import runtime_ds_config
+
+    ds = load_ds_config(load_config("small", [*MOE, "engine.ds_config=zero0.json", "engine.precision=bf16"]), 2)
+    assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["enabled"] is True
+    rt = runtime_ds_config(ds)
+    assert rt["bf16"]["enabled"] is False and rt["fp16"]["enabled"] is False
+    assert rt["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("ds", ["zero1.json", "zero2.json"])

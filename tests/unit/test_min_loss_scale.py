@@ -1,4 +1,4 @@
-"""fp16's minimum loss scale stops the job with the same one line on both engines (issue 14 item 6): DeepSpeed
+"""fp16's minimum loss scale stops the job with the same one line on both engines: DeepSpeed
 raises its own bare Exception at fp16.min_loss_scale, Accelerate's GradScaler has no minimum and would halve its
 scale forever. fp16 needs a GPU, so the engines' step() runs here against stand-ins for DeepSpeed's engine and
 Accelerate's accelerator/scaler."""

@@ -128,12 +128,13 @@ def test_unit_adds_aux_loss_times_target_tokens():
     class Eng:
         module = model
 
-        def forward(self, src, tgt_in):
-            return model(src, tgt_in)
+        def forward(self, src, tgt_in, src_padded=True):
+            return model(src, tgt_in, src_padded=src_padded)
 
     class B:
         src, tgt_in = torch.randint(4, 260, (2, 6)), torch.randint(4, 260, (2, 5))
         tgt_out = torch.randint(4, 260, (2, 5))
+        src_padded = False
 
     loss, nll, ntok = TranslationUnit(Eng(), 0.0, 0, []).loss(B)
     assert int(ntok) == 10

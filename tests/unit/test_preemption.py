@@ -1,4 +1,4 @@
-"""Preemption (issue 14, item 2), in-process: a signal during step k stops the loop at the next step
+"""Preemption, in-process: a signal during step k stops the loop at the next step
 boundary with a checkpoint of step k, the tracker's run ends KILLED, the command exits 75, and running
 again resumes; no step boundary within the grace period exits 128+signal."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Input hygiene of `prepare` (issue 14, item 10): a UTF-8 BOM is stripped, NUL bytes drop the pair, and the
+"""Input hygiene of `prepare`: a UTF-8 BOM is stripped, NUL bytes drop the pair, and the
 kept/dropped counts (malformed, NUL, over-long ...) are printed at the end, not only in the manifest."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weights-only loading (issue 14, item 1), fast and in-process: RNG states survive a weights-only load,
+"""Weights-only loading, fast and in-process: RNG states survive a weights-only load,
 a pickle payload is refused naming the file, DeepSpeed-style ``torch.load(weights_only=False)`` calls are
 forced weights-only inside ``weights_only_loads``, a truncated file is named."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Time-based checkpoints (``train.save_every_minutes``, issue 14 item 5): with a fake clock that moves 25 s per
+"""Time-based checkpoints (``train.save_every_minutes``): with a fake clock that moves 25 s per
 update, a 1-minute interval saves at the steps the job's training time says, counted across a resume; only
 rank 0's clock decides and every rank learns the decision from the step's one all-reduce."""
 from __future__ import annotations
