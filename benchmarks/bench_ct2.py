@@ -33,7 +33,7 @@ def main() -> None:
 
     from scaletrain.config import dump_yaml, load_config
     from scaletrain.export import export_ct2, translate_ct2
-    from scaletrain.data.prepare import prepare_gettext
+    from scaletrain.prepare import prepare_gettext
     from scaletrain.data.shards import read_split
     from scaletrain.eval.generate import translate_examples
     from scaletrain.models import build_model

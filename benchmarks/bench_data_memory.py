@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 PREPARE_CHILD = r"""
 import json, resource, sys
-from scaletrain.data.prepare import prepare_opus100
+from scaletrain.prepare import prepare_opus100
 root, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 m = prepare_opus100(root, out, workers=workers, progress=False, overwrite=True)
 own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -64,7 +64,7 @@ print(json.dumps({"kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "win
 
 
 def real_pairs():
-    from scaletrain.data.gettext import read_gettext
+    from scaletrain.prepare.gettext import read_gettext
 
     c = read_gettext("django")
     return {l: [(en.replace("\n", " "), xx.replace("\n", " ")) for en, xx in c.pairs[l]] for l in c.langs}

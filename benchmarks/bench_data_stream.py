@@ -43,7 +43,9 @@ import torch  # noqa: E402
 
 from scaletrain.data.batch import Example, collate  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402
-from scaletrain.data.stream import ShardLoader, ShardStream, greedy_cut, hilbert_index  # noqa: E402
+from scaletrain.data.batching import greedy_cut, hilbert_index  # noqa: E402
+from scaletrain.data.loader import ShardLoader  # noqa: E402
+from scaletrain.data.stream import ShardStream  # noqa: E402
 
 MB = 1e6
 
@@ -128,8 +130,8 @@ def padding(shard_dir: Path, max_tokens: int, max_bytes: int, buffer: int, dp: b
     if dp:
         out["hilbert, optimal cut"] = [0, 0, 0]
     for w in range(s.n_windows):
-        for slot, ids in enumerate(s._slot_blocks(0, w)):
-            sl, tl = s._lengths(s._read(ids, lengths_only=True))
+        for slot, ids in enumerate(s.planner.slot_blocks(0, w)):
+            sl, tl = s.planner.lengths(s.blocks.read(ids, lengths_only=True))
             rng = np.random.default_rng([0, w, slot])
             perm = rng.permutation(len(sl))
             a, b = sl[perm], tl[perm]
@@ -182,7 +184,7 @@ def make_opus(work: Path, n: int) -> Path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_data_memory import real_pairs, write_corpus
 
-    from scaletrain.data.prepare import prepare_opus100
+    from scaletrain.prepare import prepare_opus100
 
     root, out = work / "opus_src", work / "opus"
     write_corpus(root, n, real_pairs())
@@ -218,7 +220,7 @@ def main() -> None:
     work = Path(a.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    from scaletrain.data.prepare import prepare_gettext
+    from scaletrain.prepare import prepare_gettext
 
     corpora = {"django": prepare_gettext(out=work / "django", progress=False) and work / "django",
                "opus": make_opus(work, a.pairs)}

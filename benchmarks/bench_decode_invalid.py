@@ -40,7 +40,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from scaletrain.config import load_config
-    from scaletrain.data.prepare import prepare_gettext
+    from scaletrain.prepare import prepare_gettext
     from scaletrain.data.shards import read_split
     from scaletrain.eval.generate import translate_examples
     from scaletrain.models import build_model

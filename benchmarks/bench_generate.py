@@ -87,7 +87,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from scaletrain.eval import generate as G
-    from scaletrain.data.gettext import DEFAULT_LANGS
+    from scaletrain.prepare.gettext import DEFAULT_LANGS
     from scaletrain.vocab import BYTE_OFFSET, EOS, PAD, ByteVocab
 
     vocab = ByteVocab(["en", *DEFAULT_LANGS])

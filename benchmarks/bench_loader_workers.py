@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from scaletrain.data import stream as stream_mod  # noqa: E402
+from scaletrain.data.loader import ShardLoader  # noqa: E402
 from scaletrain.data.shards import load_manifest  # noqa: E402
 from scaletrain.models import ModelConfig, build_model  # noqa: E402
 from scaletrain.models.loss import label_smoothed_ce  # noqa: E402
@@ -71,7 +72,7 @@ def same_batches_in_process(shards: str, workers: int, chunk: int, **kw):
         for s, it in zip(streams, its):
             while True:
                 yield next(it)
-                if s._batch % chunk == 0:
+                if s.position().batch % chunk == 0:
                     break
 
 
@@ -109,7 +110,7 @@ def train_steps(model, opt, it, steps: int) -> dict:
 
 def check_same(shards: str, workers: int, n: int, **kw) -> None:
     """The in-process sequence equals the workers' one (first ``n`` batches), or stop."""
-    a = iter(stream_mod.ShardLoader(shards, "train", num_workers=workers, **kw))
+    a = iter(ShardLoader(shards, "train", num_workers=workers, **kw))
     b = same_batches_in_process(shards, workers, 8, **kw)
     for i in range(n):
         x, y = next(a), next(b)
@@ -167,7 +168,7 @@ def main() -> int:
     train_steps(model, opt, iter([b0]), 1)  # cold: first allocations
     start = {"p": train_steps(model, opt, iter([b0]), 1)}
     t0 = time.perf_counter()
-    loader = stream_mod.ShardLoader(args.shards, "train", num_workers=args.workers, **kw)
+    loader = ShardLoader(args.shards, "train", num_workers=args.workers, **kw)
     src["workers"] = iter(loader)
     first = next(src["workers"])  # batch 0 again (identical sequences)
     start["first"] = time.perf_counter() - t0

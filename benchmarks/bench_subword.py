@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scaletrain.data.prepare import prepare_gettext  # noqa: E402
+from scaletrain.prepare import prepare_gettext  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402
+from scaletrain.data.spm_models import load_shard_vocab  # noqa: E402
 from scaletrain.data.stream import ShardStream  # noqa: E402
-from scaletrain.data.spm_train import add_spm_model  # noqa: E402
-from scaletrain.vocab import load_vocab  # noqa: E402
+from scaletrain.prepare import add_spm_model  # noqa: E402
 
 
 def best(fn, rounds: int) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
         print(f"{'contender':<44}{'sent/s':>12}{'MB/s':>9}{'ratio':>8}")
         base = None
         for threads in (1, 2):
-            v = load_vocab(m.languages, "spm", d, num_threads=threads)
+            v = load_shard_vocab(m.languages, "spm", d, num_threads=threads)
             contenders = ((f"sentencepiece encode (list), {threads} thr",
                            lambda: v._sp.encode(texts, num_threads=threads)),
                           (f"SubwordVocab.encode_flat, {threads} thr", lambda: v.encode_flat(texts)))
@@ -74,7 +74,7 @@ def main() -> None:
                 base = base or s
                 print(f"{name:<44}{len(texts) / s:>12,.0f}{mb / s:>9.2f}{base / s:>8.2f}")
 
-        v = load_vocab(m.languages, "spm", d)
+        v = load_shard_vocab(m.languages, "spm", d)
         kw = dict(max_tokens=8192, max_bytes=256, buffer_size=16, epochs=1)
         n_ex = m.split("train").n_examples
         print(f"\nstream: one epoch of {n_ex:,} examples, best of {args.rounds} (1 thread)")
@@ -89,7 +89,7 @@ def main() -> None:
             for r in range(ws):
                 s = ShardStream(d, vocab=v, world_size=ws, rank=r, **dict(kw, buffer_size=4))
                 if not lengths:
-                    s._tok_lengths = None
+                    s.blocks.token_lengths = None
                 out += list(s)
             return out
 

@@ -138,8 +138,8 @@ def synthetic_shards() -> Path:
     """de-en shards from generated sentence pairs (deterministic; ~1 s), prepared once under the temp directory."""
     import random
 
-    from scaletrain.data.parallel_text import ParallelCorpus
-    from scaletrain.data.prepare import prepare_parallel
+    from scaletrain.prepare.parallel_text import ParallelCorpus
+    from scaletrain.prepare import prepare_parallel
 
     out = Path(tempfile.gettempdir()) / f"scaletrain-syncs-{os.getuid()}" / "synthetic"
     if (out / "manifest.json").is_file():
@@ -165,7 +165,7 @@ def default_shards() -> Path:
     """The tests' django gettext corpus (de ru ar hi ja), prepared once under the temp directory."""
     out = Path(tempfile.gettempdir()) / f"scaletrain-syncs-{os.getuid()}" / "django5"
     if not (out / "manifest.json").is_file():
-        from scaletrain.data.prepare import prepare_gettext
+        from scaletrain.prepare import prepare_gettext
 
         prepare_gettext(package="django", langs=["de", "ru", "ar", "hi", "ja"], out=out, progress=False)
     return out

@@ -146,7 +146,7 @@ def latest_step(out: Path) -> int:
 def prepare(shards: Path) -> None:
     if (shards / "manifest.json").is_file():
         return
-    from scaletrain.data.prepare import prepare_gettext
+    from scaletrain.prepare import prepare_gettext
 
     prepare_gettext(package="django", langs=LANGS, out=shards, progress=False)
 

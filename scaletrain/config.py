@@ -4,6 +4,10 @@
 
 Unknown keys and invalid values fail here, before any process starts, with the key named.
 Recipes live in ``scaletrain/recipes/*.yaml`` so an installed wheel has them.
+
+Each section (``DataConfig``, ``OptimConfig``, ..., the model's in :mod:`scaletrain.models.config`) documents
+every key in the docstring under its field (meaning, unit, allowed values) and checks its own keys in its
+``validate()``; :meth:`Config.validate` calls them and holds only the rules that join two sections.
 """
 from __future__ import annotations
 
@@ -23,158 +27,397 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.models.config import ModelConfig, MoEConfig
 
 
+def _bad(key: str, msg: str) -> None:
+    raise ScaletrainError(f"config key '{key}': {msg}")
+
+
+def _check_finite(section: str, cfg) -> None:
+    """nan/inf never make sense for a float key of ``section``."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            _bad(f"{section}.{f.name}", f"must be a finite number, got {v!r}")
+
+
+def _check_min(section: str, cfg, keys: tuple[str, ...], low: float, hint: str = "") -> None:
+    for k in keys:
+        if getattr(cfg, k) < low:
+            _bad(f"{section}.{k}", f"must be >= {low}{hint}")
+
+
+def _check_choice(key: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        words = [str(a).lower() if isinstance(a, bool) else str(a) for a in allowed]
+        _bad(key, f"must be {', '.join(words[:-1])} or {words[-1]}, got {value!r}")
+
+
 @dataclass
 class DataConfig:
-    shards: str = "shards/django"  # a directory written by `scaletrain prepare`, an http(s):// URL or pipe:CMD {name}
-    # token budget per micro-batch per rank: padded src + tgt tokens; auto: sized from the accelerator's memory
-    # and the model at start-up (scaletrain.models.memory), a fixed 4096 on a CPU; recorded in max_tokens_auto
+    """``data:`` where the training examples come from and how they are batched (scaletrain.data)."""
+
+    shards: str = "shards/django"
+    """The shards: a directory written by ``scaletrain prepare``, an ``http(s)://`` URL or ``pipe:CMD {name}``."""
     max_tokens: int | str = 4096
-    max_tokens_auto: str = ""  # written when auto resolves: "<tokens>: <reason>" (informational)
-    pad_to_multiple: int = 1  # pad batch lengths to multiples of this (8/16 on GPUs: a bounded set of shapes)
-    max_rows: int = 0  # most sentences per batch (0 = only the token budget limits them)
-    max_bytes: int = 256  # longer sides are truncated (tags/EOS kept)
-    buffer_size: int = 64  # blocks per rank per shuffle window; larger = tighter length buckets (less padding)
+    """Token budget per micro-batch per rank (padded source + target tokens). ``auto``: sized from the
+    accelerator's memory and the model at start-up (scaletrain.models.memory), a fixed 4096 on a CPU; the
+    choice is recorded in ``max_tokens_auto``. At least ``2 * max_bytes + 3``."""
+    max_tokens_auto: str = ""
+    """Written when ``max_tokens: auto`` resolves: ``"<tokens>: <reason>"`` (informational, not read)."""
+    pad_to_multiple: int = 1
+    """Pad batch lengths to a multiple of this (8 or 16 on GPUs: a bounded set of shapes); >= 1, 1 = no padding
+    beyond the longest row."""
+    max_rows: int = 0
+    """Most sentence pairs per batch; 0 = only the token budget limits them."""
+    max_bytes: int = 256
+    """Longest side kept, in tokens (bytes, or subword tokens with ``tokenizer: spm``); longer sides are
+    truncated (language tag and EOS kept). >= 1, and ``max_bytes + 2 <= model.max_positions``."""
+    buffer_size: int = 64
+    """Blocks per rank per shuffle window (>= 1); larger = tighter length buckets (less padding), more memory."""
     seed: int = 1
-    # DataLoader worker processes per rank feeding the stream (0 = in the training process); auto: 2 for remote
-    # shards or on an accelerator with >= 4 host cores per rank, 1 on a CPU host with an idle core per rank
-    # beside the training threads, else 0 (scaletrain.data.stream.auto_num_workers)
+    """Seed of the shuffle and the language sampling (>= 0)."""
     num_workers: int | str = "auto"
-    temperature: float = 1.0  # language-pair sampling p ~ n^(1/T); 1 = natural proportions, larger = flatter
-    # byte (default) | spm: the subword baseline, a SentencePiece BPE model stored beside the shards
-    # (`prepare --spm-vocab-size N` or `scaletrain data spm DIR --vocab-size N`); with spm, max_bytes
-    # caps TOKENS per side and max_tokens counts padded subword tokens
+    """DataLoader worker processes per rank feeding the stream (0 = in the training process). ``auto``: 2 for
+    remote shards or on an accelerator with >= 4 host cores per rank, 1 on a CPU host with an idle core per
+    rank beside the training threads, else 0 (scaletrain.data.loader.auto_num_workers)."""
+    temperature: float = 1.0
+    """Language-pair sampling p ~ n^(1/T) (> 0); 1 = natural proportions, larger = flatter."""
     tokenizer: str = "byte"
-    spm_vocab_size: int = 0  # which of the shard directory's SentencePiece models (0 = the only one)
-    on_corrupt: str = "stop"  # a block failing its CRC-32 / language check: stop (one line) | skip (logged, counted)
-    # URL / pipe: shards (scaletrain.data.sources): retries with backoff, per-request timeout, whole-shard cache
+    """``byte`` (the default) | ``spm``: the subword baseline, a SentencePiece BPE model stored beside the shards
+    (``prepare --spm-vocab-size N`` or ``scaletrain data spm DIR --vocab-size N``); with spm, ``max_bytes`` caps
+    tokens per side and ``max_tokens`` counts padded subword tokens."""
+    spm_vocab_size: int = 0
+    """Which of the shard directory's SentencePiece models (``tokenizer: spm`` only); 0 = the only one."""
+    on_corrupt: str = "stop"
+    """A block failing its CRC-32 / language check: ``stop`` (one line naming it) | ``skip`` (logged, counted)."""
     fetch_retries: int = 8
+    """URL / ``pipe:`` shards (scaletrain.data.sources): retries of a failed read, with backoff (>= 0)."""
     fetch_max_seconds: float = 300.0
+    """URL / ``pipe:`` shards: seconds a read may keep retrying in all (> 0)."""
     fetch_timeout: float = 30.0
-    cache_dir: str = ""  # "" = no disk cache (HTTP: a range request per block; pipe: shards in memory)
+    """URL shards: seconds per request (> 0)."""
+    cache_dir: str = ""
+    """Directory caching whole remote shards; "" = no disk cache (HTTP: a range request per block; ``pipe:``:
+    shards in memory)."""
     cache_max_gb: float = 4.0
+    """Size limit of ``cache_dir`` in GB (> 0)."""
+
+    def validate(self) -> None:
+        """The data rules that need no other section (``max_bytes`` against ``model.max_positions`` is
+        :meth:`Config.validate`'s)."""
+        self._validate_batch_shape()
+        nw = self.num_workers
+        if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 0):
+            _bad("data.num_workers", f"must be auto or an integer >= 0, got {nw!r}")
+        if self.temperature <= 0:
+            _bad("data.temperature", "must be > 0 (1 = proportional sampling)")
+        _check_min("data", self, ("buffer_size",), 1)
+        _check_choice("data.tokenizer", self.tokenizer, ("byte", "spm"))
+        _check_choice("data.on_corrupt", self.on_corrupt, ("stop", "skip"))
+        _check_min("data", self, ("fetch_retries",), 0)
+        for k in ("fetch_max_seconds", "fetch_timeout", "cache_max_gb"):
+            if getattr(self, k) <= 0:
+                _bad(f"data.{k}", "must be > 0")
+        if self.spm_vocab_size < 0:
+            _bad("data.spm_vocab_size", "must be >= 0 (0 = the shard directory's only SentencePiece model)")
+        if self.spm_vocab_size and self.tokenizer != "spm":
+            _bad("data.spm_vocab_size", f"is set ({self.spm_vocab_size}) but data.tokenizer is "
+                 f"{self.tokenizer!r}; set data.tokenizer=spm")
+        _check_finite("data", self)
+        _check_min("data", self, ("max_bytes",), 1)
+        _check_min("data", self, ("seed",), 0)
+
+    def _validate_batch_shape(self) -> None:
+        if self.pad_to_multiple < 1:
+            _bad("data.pad_to_multiple",
+                 f"must be >= 1 (1 = no padding beyond the longest row), got {self.pad_to_multiple}")
+        if self.max_rows < 0:
+            _bad("data.max_rows", f"must be >= 0 (0 = no row cap), got {self.max_rows}")
+        if self.max_tokens == "auto":  # resolved at start-up (scaletrain.models.memory.apply_max_tokens), checked there
+            return
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            _bad("data.max_tokens", f"must be auto or an integer, got {self.max_tokens!r}")
+        if problem := token_budget_problem(self.max_tokens, self.max_bytes, "data.max_tokens", "data.max_bytes",
+                                           self.pad_to_multiple):
+            _bad("data.max_tokens", problem)
 
 
 @dataclass
 class OptimConfig:
+    """``optim:`` AdamW, the inverse-square-root schedule and the loss (scaletrain.engine.optim)."""
+
     lr: float = 5e-4
+    """Peak learning rate, reached at the end of the warm-up (> 0)."""
     betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW's beta1, beta2 (each in [0, 1))."""
     eps: float = 1e-8
+    """AdamW's epsilon (> 0)."""
     weight_decay: float = 0.0
-    warmup_steps: int = 4000  # inverse-sqrt schedule: linear warmup, then lr * sqrt(warmup / step)
+    """AdamW's decoupled weight decay (>= 0)."""
+    warmup_steps: int = 4000
+    """Inverse-sqrt schedule: linear warm-up over this many updates, then ``lr * sqrt(warmup / step)``;
+    >= 0, 0 = no warm-up."""
     warmup_init_lr: float = 0.0
-    clip_norm: float = 1.0  # 0 disables clipping
+    """Learning rate at step 0 of the warm-up (>= 0)."""
+    clip_norm: float = 1.0
+    """Clip the global gradient norm to this (>= 0); 0 disables clipping."""
     label_smoothing: float = 0.1
-    fused: bool = True  # torch's fused AdamW kernel (3.5x faster update on CPU than the per-tensor loop)
+    """Label smoothing of the cross-entropy, in [0, 1)."""
+    fused: bool = True
+    """torch's fused AdamW kernel (3.5x faster update on CPU than the per-tensor loop)."""
+
+    def validate(self) -> None:
+        _check_finite("optim", self)
+        if self.lr <= 0:
+            _bad("optim.lr", "must be > 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            _bad("optim.betas", f"both must be in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            _bad("optim.eps", "must be > 0")
+        _check_min("optim", self, ("weight_decay",), 0)
+        _check_min("optim", self, ("warmup_steps",), 0, " (0 = no warm-up)")
+        _check_min("optim", self, ("warmup_init_lr",), 0)
+        _check_min("optim", self, ("clip_norm",), 0, " (0 = no clipping)")
+        if not 0 <= self.label_smoothing < 1:
+            _bad("optim.label_smoothing", "must be in [0, 1)")
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
 class EngineConfig:
-    backend: str = "deepspeed"  # deepspeed | accelerate
-    ds_config: str = "ds_configs/zero0.json"  # path, or a file name inside the packaged ds_configs
-    # auto | fp32 | bf16 | fp16. auto (scaletrain.engine.precision): bf16 on a GPU with bf16 and on a CPU with
-    # native bf16 matrix units (amx_bf16/avx512_bf16 AND a GEMM probe measuring bf16 faster), else fp32.
-    # Resolved once before the engine starts: the saved config names what ran.
+    """``engine:`` which engine runs the step and how (scaletrain.engine)."""
+
+    backend: str = "deepspeed"
+    """``deepspeed`` | ``accelerate``."""
+    ds_config: str = "ds_configs/zero0.json"
+    """DeepSpeed JSON config: a path, or a file name inside the packaged ds_configs (ZeRO stage, offload)."""
     precision: str = "auto"
-    precision_auto: str = ""  # written by the engine when it resolves auto: "<choice>: <reason>" (informational)
+    """``auto`` | ``fp32`` | ``bf16`` | ``fp16``. ``auto`` (scaletrain.engine.precision): bf16 on a GPU with bf16
+    and on a CPU with native bf16 matrix units (amx_bf16/avx512_bf16 and a GEMM probe measuring bf16 faster),
+    else fp32. Resolved once before the engine starts: the saved config names what ran."""
+    precision_auto: str = ""
+    """Written by the engine when ``precision: auto`` resolves: ``"<choice>: <reason>"`` (informational)."""
     grad_accum: int = 1
-    threads: int = 0  # CPU threads per rank; 0 = cores / local ranks
-    accelerate: str = "ddp"  # with backend=accelerate: ddp (plain DDP) | deepspeed (DeepSpeed plugin, ds_config)
-    activation_checkpointing: bool = False  # recompute each encoder/decoder layer in backward
-    # torch.compile the model before the engine wraps it (in place: parameter names unchanged): true | false |
-    # auto (on where the model trains on CUDA, off on CPU, where compiling takes longer than it saves)
+    """Micro-batches per update (>= 1)."""
+    threads: int = 0
+    """CPU threads per rank (>= 0); 0 = usable cores / local ranks."""
+    accelerate: str = "ddp"
+    """With ``backend: accelerate``: ``ddp`` (plain DDP) | ``deepspeed`` (Accelerate's DeepSpeed plugin with
+    ``ds_config``)."""
+    activation_checkpointing: bool = False
+    """Recompute each encoder/decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     compile: bool | str = "auto"
-    # torch.compile mode: default | reduce-overhead (CUDA graphs: one capture per batch shape) | max-autotune |
-    # max-autotune-no-cudagraphs; recompiles and graph captures are logged (compile/* metrics)
+    """torch.compile the model before the engine wraps it (in place: parameter names unchanged): ``true`` |
+    ``false`` | ``auto`` (on where the model trains on CUDA, off on CPU, where compiling takes longer than
+    it saves)."""
     compile_mode: str = "default"
-    compile_backend: str = "inductor"  # torch.compile backend (inductor; aot_eager: no code generation, CPU tests)
-    # fp16 with Accelerate: stop with one line when the GradScaler's scale falls below this after an overflow
-    # (DeepSpeed stops at its ds_config fp16.min_loss_scale itself, with the same line)
+    """torch.compile mode: ``default`` | ``reduce-overhead`` (CUDA graphs: one capture per batch shape) |
+    ``max-autotune`` | ``max-autotune-no-cudagraphs``; recompiles and graph captures are logged (compile/*)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (``inductor``; ``aot_eager``: no code generation, CPU tests)."""
     fp16_min_loss_scale: float = 1.0
-    # gloo/NCCL collective timeout: a rank blocked this long on a dead or stuck peer fails instead of waiting
+    """fp16 with Accelerate: stop with one line when the GradScaler's scale falls below this after an overflow
+    (> 0; DeepSpeed stops at its ds_config ``fp16.min_loss_scale`` itself, with the same line)."""
     collective_timeout_minutes: float = 10.0
+    """gloo/NCCL collective timeout in minutes (> 0): a rank blocked this long on a dead or stuck peer fails
+    instead of waiting."""
+
+    def validate(self) -> None:
+        _check_choice("engine.backend", self.backend, ("deepspeed", "accelerate"))
+        _check_choice("engine.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check_min("engine", self, ("grad_accum",), 1)
+        _check_choice("engine.accelerate", self.accelerate, ("ddp", "deepspeed"))
+        _check_min("engine", self, ("threads",), 0, " (0 = cores / local ranks)")
+        _check_choice("engine.compile", self.compile, (True, False, "auto"))
+        if self.compile_mode not in COMPILE_MODES:
+            _bad("engine.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        _check_finite("engine", self)
+        if self.fp16_min_loss_scale <= 0:
+            _bad("engine.fp16_min_loss_scale", "must be > 0")
+        if self.collective_timeout_minutes <= 0:
+            _bad("engine.collective_timeout_minutes", "must be > 0")
 
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/{name}"  # {name} is replaced by the recipe name
+    """``train:`` the training loop: its length, its checkpoints, its policies for faults (scaletrain.train)."""
+
+    out_dir: str = "runs/{name}"
+    """Run directory (checkpoints, tracking journal, plots); ``{name}`` is replaced by the recipe name."""
     max_steps: int = 1000
-    max_minutes: float = 0.0  # wall-clock budget for the training loop; 0 = none
+    """Updates to train for, in the whole job (>= 1)."""
+    max_minutes: float = 0.0
+    """Wall-clock budget in minutes for the training loop, summed over all sessions of the job; 0 = none."""
     log_every: int = 10
+    """Log line and train/* metrics every N updates (>= 1)."""
     save_every: int = 500
-    save_every_minutes: float = 0.0  # also save every N minutes of training-loop time (all sessions; 0 = off)
+    """Checkpoint every N updates (>= 0; 0 = only at the end)."""
+    save_every_minutes: float = 0.0
+    """Also checkpoint every N minutes of training-loop time (all sessions; >= 0, 0 = off)."""
     keep_last: int = 3
-    valid_every: int = 100  # validation loss every N steps (0 = only at the end)
+    """Checkpoints kept besides the best (>= 0; older ones are removed)."""
+    valid_every: int = 100
+    """Validation loss every N updates (>= 0; 0 = only at the end)."""
     valid_max_batches: int = 50
+    """Batches of the valid split per validation (>= 1)."""
     seed: int = 1
-    resume: bool = True  # continue from out_dir/latest when it exists
-    # a checkpoint file that does not match the checkpoint's index.json (sha256) at resume:
-    # fallback = warn and resume from the newest intact earlier checkpoint | stop = fail naming the file
+    """Seed of the model's initialisation and dropout (>= 0)."""
+    resume: bool = True
+    """Continue from ``out_dir``'s latest checkpoint when there is one."""
     on_corrupt_checkpoint: str = "fallback"
-    # a save that fails (full disk, permissions): stop = fail naming the path and the free space |
-    # continue = warn and train on without that checkpoint; the previous checkpoint stays intact either way
+    """A checkpoint file that does not match the checkpoint's index.json (sha256) at resume: ``fallback`` =
+    warn and resume from the newest intact earlier checkpoint | ``stop`` = fail naming the file."""
     on_save_error: str = "stop"
-    # SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary and exit 75; without a step boundary
-    # within this many seconds, exit without one (the deepspeed launcher sends SIGKILL 30 s after SIGTERM)
+    """A save that fails (full disk, permissions): ``stop`` = fail naming the path and the free space |
+    ``continue`` = warn and train on without that checkpoint; the previous checkpoint stays intact either way."""
     preempt_grace_seconds: float = 20.0
-    # a NaN/inf loss or gradient on any rank: every rank skips that update and the batch's examples are written to
-    # OUT/nonfinite/; skip = train on (stop after max_nonfinite such updates in a row) | stop = stop at the first
+    """SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary and exit 75; without a step boundary within
+    this many seconds, exit without one (the deepspeed launcher sends SIGKILL 30 s after SIGTERM)."""
     nonfinite: str = "skip"
+    """A NaN/inf loss or gradient on any rank: every rank skips that update and the batch's examples are
+    written to ``OUT/nonfinite/``; ``skip`` = train on (stop after ``max_nonfinite`` such updates in a row) |
+    ``stop`` = stop at the first."""
     max_nonfinite: int = 5
-    # a batch that runs out of device memory in its forward/backward: stop = fail with one line naming the batch
-    # shape and data.max_tokens (the last checkpoint stays) | skip = withhold that update, count it (oom_steps) and
-    # train on (a single process only, as fairseq)
+    """With ``nonfinite: skip``: consecutive skipped updates before stopping (>= 1)."""
     on_oom: str = "stop"
-    bleu_every: int = 0  # BLEU/chrF on eval.valid_lines per direction every N steps (0 = off)
-    best_metric: str = ""  # keep checkpoints/best by this metric, e.g. valid/nll or valid/chrf_avg/all
-    best_mode: str = "max"  # max | min
-    patience: int = 0  # early stop after N validations without improvement (0 = off)
-    best_min_delta: float = 0.0  # an improvement must beat the best by more than this
+    """A batch that runs out of device memory in its forward/backward: ``stop`` = fail with one line naming
+    the batch shape and ``data.max_tokens`` (the last checkpoint stays) | ``skip`` = withhold that update, count
+    it (oom_steps) and train on (a single process only, as fairseq)."""
+    bleu_every: int = 0
+    """BLEU/chrF on ``eval.valid_lines`` per direction every N updates (>= 0; 0 = off)."""
+    best_metric: str = ""
+    """Keep ``checkpoints/best`` by this metric, e.g. ``valid/nll`` or ``valid/chrf_avg/all``; "" = no best."""
+    best_mode: str = "max"
+    """``max`` | ``min``: whether a larger or a smaller ``best_metric`` is better."""
+    patience: int = 0
+    """Early stop after N validations without improvement (>= 0; 0 = off; needs ``best_metric``)."""
+    best_min_delta: float = 0.0
+    """An improvement must beat the best by more than this (>= 0, in the metric's unit)."""
+
+    def validate(self) -> None:
+        _check_finite("train", self)
+        _check_min("train", self, ("seed",), 0)
+        _check_min("train", self, ("max_steps",), 1)
+        _check_choice("train.on_corrupt_checkpoint", self.on_corrupt_checkpoint, ("fallback", "stop"))
+        _check_choice("train.on_save_error", self.on_save_error, ("stop", "continue"))
+        _check_choice("train.nonfinite", self.nonfinite, ("skip", "stop"))
+        _check_min("train", self, ("max_nonfinite",), 1, " (consecutive skipped updates before stopping)")
+        _check_min("train", self, ("save_every_minutes",), 0, " (0 = no time-based saves)")
+        _check_choice("train.on_oom", self.on_oom, ("stop", "skip"))
+        _check_choice("train.best_mode", self.best_mode, ("max", "min"))
+        _check_min("train", self, ("bleu_every", "patience", "valid_every", "save_every", "keep_last",
+                                   "max_minutes", "preempt_grace_seconds"), 0)
+        _check_min("train", self, ("log_every", "valid_max_batches"), 1)
+        _check_min("train", self, ("best_min_delta",), 0)
+        if self.patience and not self.best_metric:
+            _bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
 
 
 @dataclass
 class EvalConfig:
+    """``eval:`` decoding and scoring (scaletrain.eval): ``scaletrain evaluate`` and in-training BLEU."""
+
     split: str = "test"
+    """The shard split ``scaletrain evaluate`` decodes (train | valid | test)."""
     beam: int = 1
+    """Beam size (>= 1; 1 = greedy)."""
     lenpen: float = 1.0
+    """Length penalty: hypotheses are ranked by score / length^lenpen."""
     max_len_a: float = 4.0
+    """Longest hypothesis: ``max_len_a * source length + max_len_b`` tokens (>= 0)."""
     max_len_b: int = 200
+    """See ``max_len_a`` (>= 0)."""
     batch_tokens: int = 8192
+    """Source tokens per decoding batch (>= 1)."""
     pivot: str = "en"
-    valid_lines: int = 100  # lines per direction of the fixed validation subset (train.bleu_every)
+    """The pivot language of the per-group averages (directions into and out of it)."""
+    valid_lines: int = 100
+    """Lines per direction of the fixed validation subset (``train.bleu_every``; >= 1)."""
     groups: dict[str, list[str]] = field(default_factory=dict)
-    # end a hypothesis before the first byte that makes it invalid UTF-8 (an untrained model's byte soup
-    # otherwise runs to the length limit); false: decode raw bytes to the limit
+    """Language groups reported beside the per-direction scores: ``{name: [lang, ...]}``."""
     stop_invalid_utf8: bool = True
+    """End a hypothesis before the first byte that makes it invalid UTF-8 (an untrained model's byte soup
+    otherwise runs to the length limit); false: decode raw bytes to the limit."""
+
+    def validate(self) -> None:
+        _check_finite("eval", self)
+        _check_min("eval", self, ("batch_tokens", "valid_lines"), 1)
+        _check_min("eval", self, ("max_len_a", "max_len_b"), 0)
+        _check_min("eval", self, ("beam",), 1)
 
 
 @dataclass
 class TrackingConfig:
+    """``tracking:`` MLflow and the run's metrics (scaletrain.tracking); only rank 0 talks to the server."""
+
     enabled: bool = True
-    uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else a local store in the project directory
+    """Track the run in MLflow (and its local journal)."""
+    uri: str = ""
+    """MLflow tracking URI; "" = ``$MLFLOW_TRACKING_URI``, else a local store in the project directory."""
     experiment: str = "scaletrain"
-    run_name: str = ""  # empty: "<recipe> · <out_dir> · <short id>"; "{run_id}" in a name becomes the short id
-    end_timeout: float = 30.0  # seconds the end of a job waits for an unreachable server (then: tracking sync)
-    peak_tflops: float = 0.0  # MFU peak per device; 0 = the GPU table, or the measured GEMM peak on CPU
-    system_metrics: bool = True  # CPU/memory/disk/network/GPU per node (local rank 0 of each node)
-    system_metrics_interval: float = 10.0  # seconds between system-metric samples
-    progress: bool = True  # live progress line on rank 0 when stdout is a terminal
+    """MLflow experiment name."""
+    run_name: str = ""
+    """MLflow run name; "" = ``"<recipe> · <out_dir> · <short id>"``; ``{run_id}`` in a name becomes the short id."""
+    end_timeout: float = 30.0
+    """Seconds the end of a job waits for an unreachable server (then: ``scaletrain tracking sync``)."""
+    peak_tflops: float = 0.0
+    """MFU peak per device in TFLOP/s (>= 0); 0 = the GPU table, or the measured GEMM peak on CPU."""
+    system_metrics: bool = True
+    """CPU/memory/disk/network/GPU metrics per node (sampled by local rank 0 of each node)."""
+    system_metrics_interval: float = 10.0
+    """Seconds between system-metric samples (> 0)."""
+    progress: bool = True
+    """A live progress line on rank 0 when stdout is a terminal."""
+
+    def validate(self) -> None:
+        if self.peak_tflops < 0:
+            _bad("tracking.peak_tflops", "must be >= 0 (0 = the GPU table, or the measured GEMM peak on CPU)")
+        if self.system_metrics_interval <= 0:
+            _bad("tracking.system_metrics_interval", "must be > 0 seconds")
 
 
 @dataclass
 class Config:
+    """The run config: one section per part of the system, each checking its own keys (``validate``)."""
+
     name: str = "default"
+    """The recipe's name (its file name unless set); fills ``{name}`` in ``train.out_dir``."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Shards and batching."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # sparse MoE feed-forward layers, expert parallelism
+    """The model (scaletrain.models.config), one sub-section per variant."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Sparse MoE feed-forward layers and expert parallelism."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer, schedule, loss."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """DeepSpeed or Accelerate and their settings."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Decoding and scoring."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
 
     @property
     def out_dir(self) -> Path:
         return Path(self.train.out_dir.format(name=self.name))
+
+    def validate(self) -> None:
+        """Every section's own rules, then the rules that join two sections. Raises ScaletrainError with one
+        line naming the key."""
+        self.engine.validate()
+        self.model.validate()  # the model rules (scaletrain.models.config)
+        self.moe.validate(self.model)  # the moe keys, some against the model's layers and arch
+        if self.data.max_bytes + 2 > self.model.max_positions:
+            _bad("data.max_bytes",
+                 f"{self.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {self.model.max_positions}")
+        self.data.validate()
+        self.optim.validate()
+        self.train.validate()
+        self.eval.validate()
+        self.tracking.validate()
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,7 +621,7 @@ def from_dict(data: dict) -> Config:
     fail with the key named."""
     cfg = _from_dict(Config, data)
     cfg.model.check_keys_set(data.get("model") or {})
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -389,154 +632,40 @@ def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config
     return from_dict(data)
 
 
-def _validate_numbers(cfg: Config, bad) -> None:
-    """Ranges of the numeric keys of data, optim, train and eval (the model's are in ModelConfig)."""
-    for section in ("data", "optim", "engine", "train", "eval"):  # nan/inf never make sense
-        for f in dataclasses.fields(getattr(cfg, section)):
-            v = getattr(getattr(cfg, section), f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                bad(f"{section}.{f.name}", f"must be a finite number, got {v!r}")
-    if cfg.data.max_bytes < 1:
-        bad("data.max_bytes", "must be >= 1")
-    for key in ("data.seed", "train.seed"):
-        sec, k = key.split(".")
-        if getattr(getattr(cfg, sec), k) < 0:
-            bad(key, "must be >= 0")
-    if cfg.optim.lr <= 0:
-        bad("optim.lr", "must be > 0")
-    if not all(0 <= b < 1 for b in cfg.optim.betas):
-        bad("optim.betas", f"both must be in [0, 1), got {list(cfg.optim.betas)}")
-    if cfg.optim.eps <= 0:
-        bad("optim.eps", "must be > 0")
-    if cfg.optim.weight_decay < 0:
-        bad("optim.weight_decay", "must be >= 0")
-    if cfg.optim.warmup_steps < 0:
-        bad("optim.warmup_steps", "must be >= 0 (0 = no warm-up)")
-    if cfg.optim.warmup_init_lr < 0:
-        bad("optim.warmup_init_lr", "must be >= 0")
-    if cfg.optim.clip_norm < 0:
-        bad("optim.clip_norm", "must be >= 0 (0 = no clipping)")
-    for k in ("batch_tokens", "valid_lines"):
-        if getattr(cfg.eval, k) < 1:
-            bad(f"eval.{k}", "must be >= 1")
-    for k in ("max_len_a", "max_len_b"):
-        if getattr(cfg.eval, k) < 0:
-            bad(f"eval.{k}", "must be >= 0")
+def dump_yaml(cfg: Config, docs: bool = False) -> str:
+    """The resolved config as YAML; ``docs``: each key preceded by its documentation (the docstring under
+    its field) as ``#`` comments. Both read back to the same config."""
+    if not docs:
+        return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+    return "".join(_documented(to_dict(cfg), type(cfg), 0))
 
 
-def _validate_jobs(cfg: Config, bad) -> None:
-    """Long-job keys: time-based saves, the NaN/inf policy, fp16's minimum scale, collective timeouts."""
-    if cfg.train.nonfinite not in ("skip", "stop"):
-        bad("train.nonfinite", f"must be skip or stop, got {cfg.train.nonfinite!r}")
-    if cfg.train.max_nonfinite < 1:
-        bad("train.max_nonfinite", "must be >= 1 (consecutive skipped updates before stopping)")
-    if cfg.train.save_every_minutes < 0:
-        bad("train.save_every_minutes", "must be >= 0 (0 = no time-based saves)")
-    if cfg.engine.fp16_min_loss_scale <= 0:
-        bad("engine.fp16_min_loss_scale", "must be > 0")
-    if cfg.engine.collective_timeout_minutes <= 0:
-        bad("engine.collective_timeout_minutes", "must be > 0")
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of the config dataclass ``cls`` (the string literal after the
+    field, as in fairseq2's config sections), read from the class's source without running it."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
 
 
-def _validate_batch_shape(cfg: Config, bad) -> None:
-    d = cfg.data
-    if d.pad_to_multiple < 1:
-        bad("data.pad_to_multiple", f"must be >= 1 (1 = no padding beyond the longest row), got {d.pad_to_multiple}")
-    if d.max_rows < 0:
-        bad("data.max_rows", f"must be >= 0 (0 = no row cap), got {d.max_rows}")
-    if d.max_tokens == "auto":  # resolved at start-up (scaletrain.models.memory.apply_max_tokens), checked there
-        return
-    if isinstance(d.max_tokens, bool) or not isinstance(d.max_tokens, int):
-        bad("data.max_tokens", f"must be auto or an integer, got {d.max_tokens!r}")
-    if problem := token_budget_problem(d.max_tokens, d.max_bytes, "data.max_tokens", "data.max_bytes",
-                                       d.pad_to_multiple):
-        bad("data.max_tokens", problem)
-
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def _validate_step(cfg: Config, bad) -> None:
-    """The training step's keys: compilation, out-of-memory policy."""
-    if cfg.engine.compile not in (True, False, "auto"):
-        bad("engine.compile", f"must be true, false or auto, got {cfg.engine.compile!r}")
-    if cfg.engine.compile_mode not in COMPILE_MODES:
-        bad("engine.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {cfg.engine.compile_mode!r}")
-    if cfg.train.on_oom not in ("stop", "skip"):
-        bad("train.on_oom", f"must be stop or skip, got {cfg.train.on_oom!r}")
-
-
-def validate(cfg: Config) -> None:
-    def bad(key, msg):
-        raise ScaletrainError(f"config key '{key}': {msg}")
-
-    if cfg.engine.backend not in ("deepspeed", "accelerate"):
-        bad("engine.backend", f"must be deepspeed or accelerate, got {cfg.engine.backend!r}")
-    if cfg.engine.precision not in ("auto", "fp32", "bf16", "fp16"):
-        bad("engine.precision", f"must be auto, fp32, bf16 or fp16, got {cfg.engine.precision!r}")
-    if cfg.engine.grad_accum < 1:
-        bad("engine.grad_accum", "must be >= 1")
-    if cfg.engine.accelerate not in ("ddp", "deepspeed"):
-        bad("engine.accelerate", f"must be ddp or deepspeed, got {cfg.engine.accelerate!r}")
-    if cfg.engine.threads < 0:
-        bad("engine.threads", "must be >= 0 (0 = cores / local ranks)")
-    _validate_step(cfg, bad)
-    cfg.model.validate()  # the model rules (scaletrain.models.config)
-    cfg.moe.validate(cfg.model)
-    if cfg.data.max_bytes + 2 > cfg.model.max_positions:
-        bad("data.max_bytes", f"{cfg.data.max_bytes} + 2 (tag, eos) exceeds model.max_positions {cfg.model.max_positions}")
-    _validate_batch_shape(cfg, bad)
-    nw = cfg.data.num_workers
-    if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 0):
-        bad("data.num_workers", f"must be auto or an integer >= 0, got {nw!r}")
-    if cfg.data.temperature <= 0:
-        bad("data.temperature", "must be > 0 (1 = proportional sampling)")
-    if cfg.data.buffer_size < 1:
-        bad("data.buffer_size", "must be >= 1")
-    if cfg.data.tokenizer not in ("byte", "spm"):
-        bad("data.tokenizer", f"must be byte or spm, got {cfg.data.tokenizer!r}")
-    if cfg.data.on_corrupt not in ("stop", "skip"):
-        bad("data.on_corrupt", f"must be stop or skip, got {cfg.data.on_corrupt!r}")
-    if cfg.data.fetch_retries < 0:
-        bad("data.fetch_retries", "must be >= 0")
-    for k in ("fetch_max_seconds", "fetch_timeout", "cache_max_gb"):
-        if getattr(cfg.data, k) <= 0:
-            bad(f"data.{k}", "must be > 0")
-    if cfg.data.spm_vocab_size < 0:
-        bad("data.spm_vocab_size", "must be >= 0 (0 = the shard directory's only SentencePiece model)")
-    if cfg.data.spm_vocab_size and cfg.data.tokenizer != "spm":
-        bad("data.spm_vocab_size", f"is set ({cfg.data.spm_vocab_size}) but data.tokenizer is "
-            f"{cfg.data.tokenizer!r}; set data.tokenizer=spm")
-    _validate_numbers(cfg, bad)
-    if not 0 <= cfg.optim.label_smoothing < 1:
-        bad("optim.label_smoothing", "must be in [0, 1)")
-    if cfg.train.max_steps < 1:
-        bad("train.max_steps", "must be >= 1")
-    if cfg.train.on_corrupt_checkpoint not in ("fallback", "stop"):
-        bad("train.on_corrupt_checkpoint", f"must be fallback or stop, got {cfg.train.on_corrupt_checkpoint!r}")
-    if cfg.train.on_save_error not in ("stop", "continue"):
-        bad("train.on_save_error", f"must be stop or continue, got {cfg.train.on_save_error!r}")
-    _validate_jobs(cfg, bad)
-    if cfg.train.best_mode not in ("max", "min"):
-        bad("train.best_mode", f"must be max or min, got {cfg.train.best_mode!r}")
-    for k in ("bleu_every", "patience", "valid_every", "save_every", "keep_last", "max_minutes",
-              "preempt_grace_seconds"):
-        if getattr(cfg.train, k) < 0:
-            bad(f"train.{k}", "must be >= 0")
-    for k in ("log_every", "valid_max_batches"):
-        if getattr(cfg.train, k) < 1:
-            bad(f"train.{k}", "must be >= 1")
-    if cfg.train.best_min_delta < 0:
-        bad("train.best_min_delta", "must be >= 0")
-    if cfg.train.patience and not cfg.train.best_metric:
-        bad("train.patience", "early stopping needs train.best_metric (e.g. valid/nll with best_mode=min)")
-    if cfg.eval.beam < 1:
-        bad("eval.beam", "must be >= 1")
-    if cfg.tracking.peak_tflops < 0:
-        bad("tracking.peak_tflops", "must be >= 0 (0 = the GPU table, or the measured GEMM peak on CPU)")
-    if cfg.tracking.system_metrics_interval <= 0:
-        bad("tracking.system_metrics_interval", "must be > 0 seconds")
-
-
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+def _documented(tree: dict, cls, depth: int):
+    """YAML lines of ``tree`` (a section of ``to_dict``), each key under its field docstring as comments."""
+    pad = "  " * depth
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for key, value in tree.items():
+        for line in docs.get(key, "").splitlines():
+            yield f"{pad}# {line}".rstrip() + "\n"
+        if dataclasses.is_dataclass(hints.get(key)) and isinstance(value, dict):
+            yield f"{pad}{key}:\n"
+            yield from _documented(value, hints[key], depth + 1)
+        else:
+            text = yaml.safe_dump({key: value}, sort_keys=False, allow_unicode=True, width=10**6)
+            yield "".join(pad + line + "\n" for line in text.splitlines())

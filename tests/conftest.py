@@ -13,7 +13,7 @@ os.environ["SCALETRAIN_AUTO_PRECISION"] = "fp32"
 
 @pytest.fixture(scope="session")
 def django_shards(tmp_path_factory) -> Path:
-    from scaletrain.data.prepare import prepare_gettext
+    from scaletrain.prepare import prepare_gettext
 
     out = tmp_path_factory.mktemp("shards") / "django5"
     prepare_gettext(package="django", langs=TEST_LANGS, out=out, progress=False)

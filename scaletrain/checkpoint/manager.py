@@ -144,6 +144,12 @@ class CheckpointManager:
         self.save_every = save_every
         self.on_save_error = on_save_error
 
+    @classmethod
+    def for_run(cls, cfg, engine) -> "CheckpointManager":
+        """The run directory's checkpoints, with ``train.keep_last``, ``save_every`` and ``on_save_error``."""
+        tc = cfg.train
+        return cls(cfg.out_dir, engine, tc.keep_last, save_every=tc.save_every, on_save_error=tc.on_save_error)
+
     def maybe_save(self, step: int, contents, force: bool = False) -> Path | None:
         """Save when ``step`` is due (or ``force``); ``contents()`` gives :meth:`save`'s keyword arguments
         (called only when saving). Returns the checkpoint directory, or None when nothing was due (or the

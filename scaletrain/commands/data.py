@@ -7,7 +7,7 @@
     scaletrain data export DIR --split test --out TXT [--direction de-en]
                                                 # line-aligned plain text, one file pair per direction
 
-``data spm`` has the same options as ``prepare --spm-vocab-size`` (see ``scaletrain.data.spm_train``).
+``data spm`` has the same options as ``prepare --spm-vocab-size`` (see ``scaletrain.prepare.spm_train``).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _verify(args) -> int:
 def _spm(args) -> int:
     from pathlib import Path
 
-    from scaletrain.data.spm_train import add_spm_model, check_spm_args
+    from scaletrain.prepare.spm_train import add_spm_model, check_spm_args
 
     check_spm_args(args.vocab_size, args.sentences, args.character_coverage, args.threads)
     e = add_spm_model(args.shard_dir, args.vocab_size, max_sentences=args.sentences,
@@ -52,7 +52,7 @@ def _spm(args) -> int:
 
 
 def _export(args) -> int:
-    from scaletrain.data.export_text import export_split
+    from scaletrain.prepare.export_text import export_split
 
     dirs = [d.strip() for d in args.direction.split(",") if d.strip()] if args.direction else None
     for e in export_split(args.shard_dir, args.split, args.out, dirs):
@@ -79,7 +79,7 @@ def register(subparsers) -> None:
     ve.add_argument("--no-checksums", action="store_true", help="skip the sha256 pass (sizes and decoding only)")
     ve.set_defaults(func=_verify)
 
-    from scaletrain.data.prepare_args import add_spm_arguments
+    from scaletrain.prepare.args import add_spm_arguments
 
     sp = sub.add_parser("spm", help="train a SentencePiece BPE model on the train split and record it in the manifest")
     sp.add_argument("shard_dir", help="directory written by `scaletrain prepare` (holds manifest.json)")

@@ -32,9 +32,9 @@ def _summary(args) -> int:
     if cfg.data.tokenizer == "byte":
         vocab_size = LANG_OFFSET + n_langs
     elif args.shards:  # the real SentencePiece model of those shards
-        from scaletrain.vocab import load_vocab
+        from scaletrain.data.spm_models import load_shard_vocab
 
-        vocab = load_vocab(load_manifest(args.shards).languages, "spm", args.shards,
+        vocab = load_shard_vocab(load_manifest(args.shards).languages, "spm", args.shards,
                            vocab_size=cfg.data.spm_vocab_size)
         vocab_size, pieces = vocab.size, vocab.pieces()
     else:  # no shards: a stand-in vocabulary of the configured size (pieces of 1-6 latin letters)

@@ -2,6 +2,7 @@
 
     scaletrain train --config small data.shards=shards/mini optim.lr=2e-3
     scaletrain train --config small --print-config
+    scaletrain train --config small --explain-config    # each key with its documentation
 
 The config, the shard manifest and the output directory are checked first
 (:func:`scaletrain.engine.preflight.check_inputs`), before DeepSpeed, Accelerate or MLflow is imported: a
@@ -23,6 +24,9 @@ def register(subparsers) -> None:
     tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
     tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    tr.add_argument("--explain-config", action="store_true",
+                    help="print the resolved config with each key's documentation (meaning, unit, allowed values) "
+                         "as YAML comments and exit")
     tr.add_argument("--threads", type=int, default=None, metavar="N",
                     help="CPU threads per rank (= engine.threads=N; default: usable cores / ranks on the node, "
                          "or $OMP_NUM_THREADS)")
@@ -36,8 +40,8 @@ def run(args) -> int:
     if args.threads is not None:
         overrides.append(f"engine.threads={args.threads}")
     cfg = load_config(args.config, overrides)
-    if args.print_config:
-        print(dump_yaml(cfg), end="")
+    if args.print_config or args.explain_config:
+        print(dump_yaml(cfg, docs=args.explain_config), end="")
         return 0
     from scaletrain.engine.preflight import check_inputs
 

@@ -357,3 +357,8 @@ def open_source(spec, opts: FetchOptions | None = None):
 
 
 as_source = open_source
+
+
+def run_source(data_cfg):
+    """The shards a run's ``data`` section names (``data.shards``), opened with its fetch and cache keys."""
+    return open_source(data_cfg.shards, fetch_options(data_cfg))

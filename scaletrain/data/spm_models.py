@@ -5,18 +5,21 @@
     {"type": "spm", "file": "spm<N>.model", "vocab_size": N, "sha256": ..., "params": {...},
      "lengths": {split: {"file": "spm<N>.<split>.lengths.npy", "sha256": ..., "n": ..., "dtype": ...}}}
 
-Written by ``scaletrain.data.spm_train.add_spm_model``; read here (``find_spm_model`` for
-``scaletrain.vocab.load_vocab``, ``load_token_lengths`` for the stream). Needs no vocabulary code.
+Written by ``scaletrain.prepare.spm_train.add_spm_model``; read here: ``find_spm_model`` and
+``load_shard_vocab`` (the vocabulary of a run on a shard directory; ``scaletrain.vocab.load_vocab`` itself
+takes the model file and knows nothing of shard directories), ``load_token_lengths`` for the stream.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from scaletrain.data.shards import load_manifest
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import sha256_file
+from scaletrain.vocab import load_vocab
 
 SPM_TYPE = "spm"
 
@@ -68,6 +71,15 @@ def find_spm_model(shard_dir: str | Path, vocab_size: int = 0) -> Path:
         raise ScaletrainError(f"{path}: sha256 differs from the manifest (corrupt or replaced); re-create it with "
                               f"`scaletrain data spm {shard_dir} --vocab-size {entry['vocab_size']} --overwrite`")
     return path
+
+
+def load_shard_vocab(langs: Sequence[str], tokenizer: str, shard_dir, *, vocab_size: int = 0, num_threads: int = 1):
+    """The vocabulary of a run on ``shard_dir`` (``data.tokenizer``, ``data.spm_vocab_size``):
+    ``ByteVocab(langs)`` for ``"byte"`` (the directory is not read: it may be a URL); for ``"spm"`` a
+    ``SubwordVocab`` with the model recorded in the directory's manifest (``find_spm_model``: ``vocab_size``
+    picks one when there are several, 0 = the only one; its sha256 is checked)."""
+    model_path = find_spm_model(shard_dir, vocab_size) if tokenizer == "spm" else None
+    return load_vocab(langs, tokenizer, model_path, num_threads=num_threads)
 
 
 def load_token_lengths(shard_dir: str | Path, manifest, vocab, split: str):

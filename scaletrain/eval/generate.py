@@ -68,6 +68,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.batch import Example, collate, collate_arrays, src_len
+from scaletrain.data.batching import decode_batches
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD, ByteVocab
 
@@ -606,27 +607,6 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
 # translating a list of examples
 
 
-def _length_batches(lengths: Sequence[int], batch_tokens: int, beam: int, max_sentences: int | None):
-    """Greedy batching of indices sorted by descending length; each batch's padded, beam-expanded
-    source tokens (rows * beam * longest) stay within ``batch_tokens`` (a batch always has one row)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i in order:
-        n = lengths[i]
-        new_longest = max(longest, n)
-        too_many = max_sentences is not None and len(cur) >= max_sentences
-        if cur and ((len(cur) + 1) * beam * new_longest > batch_tokens or too_many):
-            batches.append(cur)
-            cur, new_longest = [], n
-        cur.append(i)
-        longest = new_longest
-    if cur:
-        batches.append(cur)
-    return batches
-
-
 class _Sources:
     """The examples' sources as the model reads them: per example the source length in tokens (tag +
     content + EOS, content cut to ``max_src`` tokens) and padded batches of any subset. Byte vocabularies
@@ -685,7 +665,7 @@ def translate_examples(
     """Translate every example (none is skipped) and return texts in input order.
 
     Examples are sorted by source length and packed so that ``rows * beam * padded_src_len <=
-    batch_tokens``. Sources longer than ``max_src_bytes`` (default: what the model's ``max_positions``
+    batch_tokens`` (``scaletrain.data.batching.decode_batches``). Sources longer than ``max_src_bytes`` (default: what the model's ``max_positions``
     allows) are truncated, never dropped. Texts are decoded with ``vocab.decode_counting``: each malformed
     UTF-8 sequence becomes U+FFFD and is counted in ``invalid``. ``stop_invalid_utf8`` (default on): a
     hypothesis ends before a byte that makes it invalid UTF-8, and ``cut`` marks those lines (module doc).
@@ -709,7 +689,7 @@ def translate_examples(
     if not examples:
         return TranslationResult(texts, invalid, tokens, cut, at_limit)
     sources = _Sources(examples, vocab, max_src_bytes)
-    for idx in _length_batches(sources.lengths, batch_tokens, beam, max_sentences):
+    for idx in decode_batches(sources.lengths, batch_tokens, beam, max_sentences):
         batch = sources.batch(idx)
         limits = max_output_lengths(batch.src, max_len_a, max_len_b, max_positions)
         if length_ratios is not None and sources.is_bytes:

@@ -117,7 +117,7 @@ class BleuValidator:
         self.pivot, self.groups, self.tokenize, self.prefix = pivot, dict(groups or {}), tokenize, prefix
 
     @classmethod
-    def from_config(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
+    def for_run(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
         """The first ``n_per_direction`` lines per direction of ``split`` of ``cfg.data.shards``, decoding
         and scoring settings from ``cfg.eval`` (beam defaults to 1 = greedy; override with ``beam=``)."""
         from scaletrain.data.shards import read_split
@@ -202,6 +202,12 @@ class BestCheckpoint:
         self.best_step = -1
         self.bad_evals = 0
         self.history: list[tuple[int, float]] = []
+
+    @classmethod
+    def for_run(cls, cfg, root: str | Path | None) -> "BestCheckpoint":
+        """``train.best_metric`` / ``best_mode`` / ``patience`` / ``best_min_delta``, kept under ``root``."""
+        tc = cfg.train
+        return cls(root, tc.best_metric, tc.best_mode, tc.patience, tc.best_min_delta)
 
     def _better(self, v: float) -> bool:
         if math.isnan(v):

@@ -79,9 +79,12 @@ class LobefConfig(_Section):
     USERS = ("byte_ncf", "byte_wsf")
     KEY_USERS = {"ngrams": ("byte_ncf",), "separators": ("byte_wsf",)}
 
-    byte_layers: int = 4  # layers inside the front-end (nCF paper: 4, WSF paper: 2)
-    ngrams: list[int] = field(default_factory=lambda: [1, 2, 3, 4])  # byte_ncf; 1 = identity stream
-    separators: list[int] = field(default_factory=lambda: [32])  # byte_wsf: byte VALUES that end a word
+    byte_layers: int = 4
+    """Layers inside the front-end (>= 0; nCF paper: 4, WSF paper: 2)."""
+    ngrams: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    """byte_ncf: the n-gram widths combined, distinct positive integers; 1 = the identity stream."""
+    separators: list[int] = field(default_factory=lambda: [32])
+    """byte_wsf: byte values (0-255) that end a word (32 = space)."""
 
     def validate(self, model: "ModelConfig", vocab_size: Optional[int]) -> None:
         _check_int("lobef.byte_layers", self.byte_layers, 0)
@@ -99,9 +102,10 @@ class ConvConfig(_Section):
 
     USERS = ("msc", "msha", "moce")
 
-    # kernel size per head (msc, msha) or per expert (moce); 0 = identity, else odd
     kernels: list[int] = field(default_factory=lambda: [0, 1, 3, 5, 7, 9])
-    layers: list[int] = field(default_factory=lambda: [0])  # encoder layers with the variant attention
+    """Kernel size per head (msc, msha: one per ``model.n_heads``) or per expert (moce); 0 = identity, else odd."""
+    layers: list[int] = field(default_factory=lambda: [0])
+    """Encoder layer indices (0-based, distinct) with the variant attention."""
 
     def validate(self, model: "ModelConfig", vocab_size: Optional[int]) -> None:
         ks = list(self.kernels) if isinstance(self.kernels, (list, tuple)) else None
@@ -129,11 +133,14 @@ class MoCEConfig(_Section):
     USERS = ("moce",)
 
     top_k: int = 2
-    lid: bool = False  # router also sees the source-tag embedding (tag at src position 0)
-    route_scaled_q: bool = True  # as the paper's code: q is scaled by d_h^-1/2 before routing/experts
-    # how the experts are evaluated (same results): auto = only the routed (slot, expert) pairs on CPU
-    # (with model.kernels auto), all experts in one conv elsewhere; dense | routed force one
+    """Conv experts each position is routed to (>= 1)."""
+    lid: bool = False
+    """The router also sees the source-tag embedding (tag at source position 0; needs language tags)."""
+    route_scaled_q: bool = True
+    """As the paper's code: q is scaled by d_h^-1/2 before routing and the experts."""
     dispatch: str = "auto"
+    """How the experts are evaluated (same results): ``auto`` = only the routed (slot, expert) pairs on CPU
+    (with ``model.kernels: auto``), all experts in one conv elsewhere; ``dense`` | ``routed`` force one."""
 
     def validate(self, model: "ModelConfig", vocab_size: Optional[int]) -> None:
         _check_int("moce.top_k", self.top_k, 1)
@@ -152,7 +159,8 @@ class OneHotConfig(_Section):
     SELECTOR = "embedding"
     USERS = ("onehot",)
 
-    learnable_scales: bool = True  # 3 learnable scalars (enc, dec, out) init sqrt(d); else constant
+    learnable_scales: bool = True
+    """3 learnable scalars (encoder, decoder, output) initialised to sqrt(d_model); false: constant."""
 
     def validate(self, model: "ModelConfig", vocab_size: Optional[int]) -> None:
         _check_bool("onehot.learnable_scales", self.learnable_scales)
@@ -170,12 +178,18 @@ class CharAwareConfig(_Section):
     SELECTOR = "embedding"
     USERS = ("charaware",)
 
-    dim: int = 50  # character embedding size
-    kernels: list[int] = field(default_factory=lambda: [3, 4, 5, 6])  # conv widths over characters
-    filters: int = 0  # output channels per width; 0 = d_model / len(kernels)
+    dim: int = 50
+    """Character embedding size (>= 1)."""
+    kernels: list[int] = field(default_factory=lambda: [3, 4, 5, 6])
+    """Conv widths over characters: distinct positive integers."""
+    filters: int = 0
+    """Output channels per width (>= 0); 0 = d_model / len(kernels)."""
     highway_layers: int = 2
-    max_len: int = 20  # characters kept per piece (longer pieces keep their first max_len)
-    gate: str = "vector"  # vector: g in [0,1]^d per type (paper eq. 8) | scalar: one gate per type
+    """Highway layers after the convolutions (>= 0)."""
+    max_len: int = 20
+    """Characters kept per piece (>= 1; longer pieces keep their first max_len)."""
+    gate: str = "vector"
+    """``vector``: g in [0,1]^d per type (paper eq. 8) | ``scalar``: one gate per type."""
 
     def validate(self, model: "ModelConfig", vocab_size: Optional[int]) -> None:
         _check_int("charaware.dim", self.dim, 1)
@@ -199,36 +213,61 @@ SECTIONS = ("lobef", "conv", "moce", "onehot", "charaware")
 # ---------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    arch: str = "transformer"  # registry key, see scaletrain.models.build_model
+    """``model:`` the network; core keys here, each variant's in a section of its own (module docstring)."""
+
+    arch: str = "transformer"
+    """The architecture, a registry key (scaletrain.models.registry): ``transformer`` | ``byte_ncf`` |
+    ``byte_wsf`` | ``msc`` | ``msha`` | ``moce``."""
     d_model: int = 512
+    """Model width (>= 1, divisible by ``n_heads``)."""
     n_heads: int = 8
+    """Attention heads per layer (>= 1)."""
     encoder_layers: int = 6
+    """Encoder layers (>= 0), the LOBEF front-end's byte layers included."""
     decoder_layers: int = 6
+    """Decoder layers (>= 1)."""
     ffn_dim: int = 2048
+    """Hidden size of the feed-forward blocks (>= 1)."""
     dropout: float = 0.1
+    """Residual dropout probability, in [0, 1)."""
     attention_dropout: float = 0.0
+    """Dropout on the attention weights, in [0, 1)."""
     activation_dropout: float = 0.0
-    activation: str = "relu"  # relu | gelu
-    pre_ln: bool = False  # False = post-LN as in the papers
+    """Dropout after the feed-forward activation, in [0, 1)."""
+    activation: str = "relu"
+    """Feed-forward activation: ``relu`` | ``gelu``."""
+    pre_ln: bool = False
+    """Layer norm before each sub-layer; false = post-LN as in the papers."""
     max_positions: int = 1024
-    share_embeddings: bool = True  # tie encoder/decoder input embeddings and output projection
-    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
-    # auto: faster attention backward / dropout masks on CPU (see scaletrain.models.kernels); torch: stock
-    # ops. Stored on the modules of each model built (two models may use different kernels).
+    """Longest sequence the position table holds, in tokens (>= 1; >= ``data.max_bytes + 2``)."""
+    share_embeddings: bool = True
+    """Tie the encoder/decoder input embeddings and the output projection."""
+    scale_embeddings: bool = True
+    """Multiply embeddings by sqrt(d_model)."""
     kernels: str = "auto"
-    # explicit dropout switches (Embeddingless removes encoder-input and last-decoder-layer dropout)
-    encoder_input_dropout: bool = True  # dropout on embedded source (+positions)
-    decoder_input_dropout: bool = True  # dropout on embedded decoder input ("token dropout" with one-hot)
-    decoder_last_layer_dropout: bool = True  # residual dropout inside the last decoder layer
-    # input/output representation: learned | onehot (frozen one-hot rows, Shaham & Levy 2021) | charaware
+    """``auto``: faster attention backward / dropout masks on CPU (scaletrain.models.kernels) | ``torch``: stock
+    ops. Stored on the modules of each model built (two models may use different kernels)."""
+    encoder_input_dropout: bool = True
+    """Dropout on the embedded source (+ positions); Embeddingless turns it off."""
+    decoder_input_dropout: bool = True
+    """Dropout on the embedded decoder input ("token dropout" with one-hot embeddings)."""
+    decoder_last_layer_dropout: bool = True
+    """Residual dropout inside the last decoder layer; Embeddingless turns it off."""
     embedding: str = "learned"
+    """Input/output representation: ``learned`` | ``onehot`` (frozen one-hot rows, Shaham & Levy 2021) |
+    ``charaware`` (character-aware target embeddings; subword tokenizer)."""
 
     # ---- variant sections (see the module docstring) ----------------------------------
     lobef: LobefConfig = field(default_factory=LobefConfig)
+    """LOBEF byte front-ends (arch byte_ncf, byte_wsf)."""
     conv: ConvConfig = field(default_factory=ConvConfig)
+    """Convolutional attention (arch msc, msha, moce)."""
     moce: MoCEConfig = field(default_factory=MoCEConfig)
+    """MoCE routing (arch moce)."""
     onehot: OneHotConfig = field(default_factory=OneHotConfig)
+    """One-hot embeddings (embedding onehot)."""
     charaware: CharAwareConfig = field(default_factory=CharAwareConfig)
+    """Character-aware embeddings (embedding charaware)."""
 
     # the flat key names of earlier versions -> their place now
     RENAMED: ClassVar[dict[str, str]] = {
@@ -309,20 +348,27 @@ class MoEConfig:
     layers (scaletrain.models.moe) and how their experts are spread over ranks. ``num_experts: 0``
     (the default) = no MoE layer, the dense model is unchanged."""
 
-    num_experts: int = 0  # experts per MoE layer; 0 = off
-    top_k: int = 2  # experts per token (token choice)
-    every: int = 2  # every N-th feed-forward block of the encoder and of the decoder is MoE (1-based: N, 2N, ...)
-    ffn_dim: int = 0  # hidden size of each expert; 0 = model.ffn_dim
-    capacity_factor: float = 0.0  # 0 = dropless; c > 0: each expert takes at most ceil(c * tokens * top_k / E) pairs per rank
-    aux_loss_coef: float = 0.01  # load-balancing loss E * sum_e f_e * P_e (Switch / GShard), times this
-    shared_expert: bool = False  # a dense expert (moe.ffn_dim wide) every token also goes through; its output is added
-    # expert-parallel group size: each MoE layer's FFN experts are split over this many ranks (Accelerate DDP;
-    # DeepSpeed ZeRO-0 fp32/bf16, ZeRO-1/2; docs/EXPERT_PARALLEL.md)
+    num_experts: int = 0
+    """Experts per MoE layer (>= 0); 0 = no MoE layer."""
+    top_k: int = 2
+    """Experts per token (token choice; 1 <= top_k <= num_experts)."""
+    every: int = 2
+    """Every N-th feed-forward block of the encoder and of the decoder is MoE (1-based: N, 2N, ...; >= 1)."""
+    ffn_dim: int = 0
+    """Hidden size of each expert (>= 0); 0 = ``model.ffn_dim``."""
+    capacity_factor: float = 0.0
+    """0 = dropless; c > 0: each expert takes at most ceil(c * tokens * top_k / E) pairs per rank."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss E * sum_e f_e * P_e (Switch / GShard), >= 0."""
+    shared_expert: bool = False
+    """A dense expert (``moe.ffn_dim`` wide) every token also goes through; its output is added."""
     ep_size: int = 1
-    # MoCE (arch moce) with ep_size > 1: also spread each Ada-MSHA layer's conv experts over the EP group
-    # (scaletrain.models.moce_ep). Off by default: they are small, moving a window costs more than computing
-    # it (docs/EXPERT_PARALLEL.md, "Expert-parallel MoCE"), so they stay replicated like every other dense weight.
+    """Expert-parallel group size (>= 1, dividing ``num_experts``): each MoE layer's FFN experts are split over
+    this many ranks (Accelerate DDP; DeepSpeed ZeRO-0 fp32/bf16, ZeRO-1/2; docs/EXPERT_PARALLEL.md)."""
     moce_partition: bool = False
+    """MoCE (arch moce) with ``ep_size`` > 1: also spread each Ada-MSHA layer's conv experts over the EP group
+    (scaletrain.models.moce_ep). Off by default: they are small, moving a window costs more than computing
+    it (docs/EXPERT_PARALLEL.md, "Expert-parallel MoCE"), so they stay replicated like every other dense weight."""
 
     def enabled(self) -> bool:
         return self.num_experts > 0

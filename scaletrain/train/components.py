@@ -29,9 +29,10 @@ from typing import Callable
 
 import torch
 
-from scaletrain.data.sources import fetch_options
-from scaletrain.data.stream import ShardStream
+from scaletrain.data.loader import ShardLoader
+from scaletrain.engine.model_prep import compile_on
 from scaletrain.train.compile_stats import compile_metrics
+from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
 from scaletrain.train.unit import StepOutput, TranslationUnit, validation_loss
 
@@ -101,18 +102,29 @@ class ProgressDisplay:
 class StepLogger:
     """Accumulates each update's sums and reports every ``log_every`` updates (and at ``max_steps``)."""
 
-    def __init__(self, tc, engine, unit: TranslationUnit, state: TrainState, clock: TrainClock, budget: TimeBudget,
-                 tracker, byte_level: bool = False, mfu=None, compiled: bool = False):
-        self.tc, self.engine, self.unit, self.state = tc, engine, unit, state
+    def __init__(self, log_every: int, max_steps: int, engine, unit: TranslationUnit, state: TrainState,
+                 clock: TrainClock, budget: TimeBudget, tracker, byte_level: bool = False, mfu=None,
+                 compiled: bool = False):
+        self.log_every, self.max_steps = log_every, max_steps
+        self.engine, self.unit, self.state = engine, unit, state
         self.compiled = compiled  # engine.compile on: compile/* metrics (recompiles, CUDA graphs)
         self.mfu = mfu  # MfuEstimator or None
-        self.progress = ProgressDisplay(False, tc.max_steps, 0)  # the trainer sets the real one in fit()
+        self.progress = ProgressDisplay(False, max_steps, 0)  # the trainer sets the real one in fit()
         self.byte_level = byte_level  # tokens are bytes: bytes/s = (source + target tokens)/s
         self.clock, self.budget, self.tracker = clock, budget, tracker
         self.loss_history: list[tuple[int, float]] = []  # (step, train loss) at each log line of this session
         self.last_routing: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}  # the last report's metrics (every rank)
         self.start()
+
+    @classmethod
+    def for_run(cls, cfg, engine, unit: TranslationUnit, state: TrainState, clock: TrainClock, budget: TimeBudget,
+                tracker, vocab) -> "StepLogger":
+        """Every ``train.log_every`` updates; bytes/s with the byte tokenizer; MFU (:mod:`scaletrain.train.mfu`);
+        compile/* metrics where ``engine.compile`` is on."""
+        return cls(cfg.train.log_every, cfg.train.max_steps, engine, unit, state, clock, budget, tracker,
+                   byte_level=cfg.data.tokenizer == "byte", mfu=MfuEstimator.for_run(cfg, vocab.size, engine),
+                   compiled=compile_on(cfg))
 
     def start(self) -> None:
         self._sums = None  # this rank's [loss, nll, target tokens] of the interval, summed on the device
@@ -135,12 +147,12 @@ class StepLogger:
         self._outs.append(out)
         self.progress.step()
         st = self.state
-        if st.step % self.tc.log_every == 0 or st.step == self.tc.max_steps:
+        if st.step % self.log_every == 0 or st.step == self.max_steps:
             self._report(out)
 
     def _eta(self) -> float:
         per_step = self.clock.session_seconds() / max(self.state.step - self._steps_at_start, 1)
-        return min((self.tc.max_steps - self.state.step) * per_step, self.budget.left())
+        return min((self.max_steps - self.state.step) * per_step, self.budget.left())
 
     def _report(self, out: StepOutput) -> None:
         eng, st, info = self.engine, self.state, out.info
@@ -211,16 +223,22 @@ class Evaluator:
     """Validation loss (``valid_every``) and BLEU/chrF (``bleu_every``) on every rank; rank 0 reports."""
 
     def __init__(self, cfg, engine, unit: TranslationUnit, vocab, state: TrainState, tracker,
-                 build_model: Callable):
+                 build_model: Callable, bleu=None):
         self.cfg, self.engine, self.unit, self.vocab, self.state = cfg, engine, unit, vocab, state
         self.tracker, self.build_model = tracker, build_model
         self.progress: ProgressDisplay | None = None  # the trainer's display, for in-training BLEU's own line
-        tc = cfg.train
-        self.bleu = None
-        if tc.bleu_every:
+        self.bleu = bleu  # a BleuValidator where train.bleu_every is set
+
+    @classmethod
+    def for_run(cls, cfg, engine, unit: TranslationUnit, vocab, state: TrainState, tracker,
+                build_model: Callable) -> "Evaluator":
+        """``build_model()``: a decoding copy of the model (every expert in this process)."""
+        bleu = None
+        if cfg.train.bleu_every:
             from scaletrain.eval.in_training import BleuValidator
 
-            self.bleu = BleuValidator.from_config(cfg, vocab, cfg.eval.valid_lines)
+            bleu = BleuValidator.for_run(cfg, vocab, cfg.eval.valid_lines)
+        return cls(cfg, engine, unit, vocab, state, tracker, build_model, bleu)
 
     def after_step(self) -> dict[str, float]:
         tc, step = self.cfg.train, self.state.step
@@ -233,10 +251,7 @@ class Evaluator:
 
     def validation_loss(self) -> float:
         d, eng = self.cfg.data, self.engine
-        stream = ShardStream(d.shards, "valid", rank=eng.rank, world_size=eng.world_size, seed=0,
-                             max_tokens=d.max_tokens, max_bytes=d.max_bytes, epochs=1, vocab=self.vocab,
-                             on_corrupt=d.on_corrupt, fetch=fetch_options(d), pad_to_multiple=d.pad_to_multiple,
-                             max_rows=d.max_rows)
+        stream = ShardLoader.for_run(d, "valid", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab)
         v = validation_loss(eng, self.unit, stream, self.cfg.train.valid_max_batches)
         self.state.valid_history.append((self.state.step, v))
         if eng.is_main:
@@ -271,13 +286,19 @@ class StopDecision:
 class EarlyStopper:
     """Best checkpoint on ``train.best_metric`` and early stopping; its state lives in ``state.best``."""
 
-    def __init__(self, tc, ckpt_root: Path, engine, state: TrainState):
-        self.engine, self.state, self.patience = engine, state, tc.patience
-        self.best = None
-        if tc.best_metric:
+    def __init__(self, best, engine, state: TrainState):
+        """``best``: a :class:`scaletrain.eval.in_training.BestCheckpoint`, or None (no best metric)."""
+        self.engine, self.state, self.best = engine, state, best
+        self.patience = best.patience if best is not None else 0
+
+    @classmethod
+    def for_run(cls, cfg, ckpt_root: Path, engine, state: TrainState) -> "EarlyStopper":
+        best = None
+        if cfg.train.best_metric:
             from scaletrain.eval.in_training import BestCheckpoint
 
-            self.best = BestCheckpoint(ckpt_root, tc.best_metric, tc.best_mode, tc.patience, tc.best_min_delta)
+            best = BestCheckpoint.for_run(cfg, ckpt_root)
+        return cls(best, engine, state)
 
     def restore(self) -> None:
         if self.best is not None and self.state.best:

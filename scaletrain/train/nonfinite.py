@@ -33,10 +33,17 @@ DUMP_DIR = "nonfinite"  # OUT/nonfinite/step-N-rankR.json
 
 
 class NonfiniteGuard:
-    def __init__(self, tc, out_dir, engine, state: TrainState, vocab):
-        self.mode, self.max_run = tc.nonfinite, tc.max_nonfinite
+    """``mode``: skip | stop (``train.nonfinite``); ``max_run``: skipped updates in a row before stopping
+    (``train.max_nonfinite``); the examples of a non-finite step are written under ``out_dir/nonfinite``."""
+
+    def __init__(self, mode: str, max_run: int, out_dir, engine, state: TrainState, vocab):
+        self.mode, self.max_run = mode, max_run
         self.dir = Path(out_dir) / DUMP_DIR
         self.engine, self.state, self.vocab = engine, state, vocab
+
+    @classmethod
+    def for_run(cls, cfg, engine, state: TrainState, vocab) -> "NonfiniteGuard":
+        return cls(cfg.train.nonfinite, cfg.train.max_nonfinite, cfg.out_dir, engine, state, vocab)
 
     def after_step(self, out: StepOutput, micro: list, position: dict | None, step: int | None = None) -> None:
         """After update ``step`` (default ``state.step``), in step order; the trainer calls it when it reads the

@@ -21,17 +21,16 @@ import torch
 
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
+from scaletrain.data.loader import ShardLoader, auto_num_workers
 from scaletrain.data.shards import load_manifest
-from scaletrain.data.sources import fetch_options, open_source
-from scaletrain.data.stream import ShardLoader, auto_num_workers
+from scaletrain.data.sources import run_source
+from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
-from scaletrain.engine.model_prep import compile_on
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
-from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.nonfinite import NonfiniteGuard
 from scaletrain.train.sync_count import step_range
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
@@ -40,7 +39,6 @@ from scaletrain.train.replay import ReplayFilter
 from scaletrain.train.oom import OomPolicy
 from scaletrain.train.prefetch import Prefetcher
 from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
-from scaletrain.vocab import load_vocab
 
 log = logging.getLogger("scaletrain")
 MAX_PENDING = 64  # updates whose device values wait for a read at most (their host batches are kept for the dumps)
@@ -75,40 +73,33 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
-        self.manifest = load_manifest(open_source(cfg.data.shards, fetch_options(cfg.data)))
-        self.vocab = load_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
-                                vocab_size=cfg.data.spm_vocab_size)
+        self.manifest = load_manifest(run_source(cfg.data))
+        self.vocab = load_shard_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
+                                      vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()
         self.param_counts = count_parameters(model, eng.parallel.ep_size)  # the whole model, every expert
         eng.setup(model)
         apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
-        self.stream = stream if stream is not None else ShardLoader(
-            cfg.data.shards, "train", rank=eng.rank, world_size=eng.world_size, num_workers=self._num_workers(),
-            seed=cfg.data.seed, max_tokens=cfg.data.max_tokens, max_bytes=cfg.data.max_bytes,
-            buffer_size=cfg.data.buffer_size, temperature=cfg.data.temperature, vocab=self.vocab,
-            on_corrupt=cfg.data.on_corrupt, fetch=fetch_options(cfg.data),
-            pad_to_multiple=cfg.data.pad_to_multiple, max_rows=cfg.data.max_rows,
-        )
+        self.stream = stream if stream is not None else ShardLoader.for_run(
+            cfg.data, "train", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab,
+            num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
-        tc = cfg.train
         self.state = TrainState()
         self.clock = TrainClock(self.state)
-        self.budget = TimeBudget(tc.max_minutes, self.state)
-        self.save_timer = SaveTimer(tc.save_every_minutes, self.state)
-        self.ckpt = CheckpointManager(self.out_dir, eng, tc.keep_last, save_every=tc.save_every,
-                                      on_save_error=tc.on_save_error)
+        self.budget = TimeBudget.for_run(cfg, self.state)
+        self.save_timer = SaveTimer.for_run(cfg, self.state)
+        self.ckpt = CheckpointManager.for_run(cfg, eng)
         self.tracker = ReplayFilter(self._make_tracker())  # re-done steps after a crash are not logged twice
-        self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
-        self.logger = StepLogger(tc, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
-                                 byte_level=cfg.data.tokenizer == "byte",
-                                 mfu=MfuEstimator.for_run(cfg, self.vocab.size, eng), compiled=compile_on(cfg))
-        self.evaluator = Evaluator(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
-                                   lambda: self.build_model(expert_parallel=False))
-        self.stopper = EarlyStopper(tc, self.ckpt.root, eng, self.state)
-        self.preemption = Preemption(tc.preempt_grace_seconds)
-        self.nonfinite = NonfiniteGuard(tc, self.out_dir, eng, self.state, self.vocab)
-        self.oom = OomPolicy(tc.on_oom, cfg.data.max_tokens, eng.world_size)
+        self.unit = TranslationUnit.for_run(cfg, eng, self.vocab)
+        self.logger = StepLogger.for_run(cfg, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
+                                         self.vocab)
+        self.evaluator = Evaluator.for_run(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
+                                           lambda: self.build_model(expert_parallel=False))
+        self.stopper = EarlyStopper.for_run(cfg, self.ckpt.root, eng, self.state)
+        self.preemption = Preemption.for_run(cfg)
+        self.nonfinite = NonfiniteGuard.for_run(cfg, eng, self.state, self.vocab)
+        self.oom = OomPolicy.for_run(cfg, eng)
         self.prefetcher: Prefetcher | None = None  # made in fit()
         self._pending: list = []  # (step, StepOutput, host batches, stream position) not yet read (_settle)
         self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
@@ -153,7 +144,7 @@ class Trainer:
         baseline = self._baseline()
         if self.cfg.train.valid_every and st.step == 0:
             self.evaluator.validation_loss()  # the start of the validation curve
-        self.prefetcher = Prefetcher(self.stream, iter(self.stream), self.cfg.engine.grad_accum, eng.device)
+        self.prefetcher = Prefetcher.for_run(self.cfg, self.stream, eng)
         self._pending = []
         if st.step < self.cfg.train.max_steps:
             self.prefetcher.fetch()  # the first step's batches (opening the stream: outside the step ranges)
@@ -371,7 +362,7 @@ class Trainer:
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine
-        shards = open_source(cfg.data.shards, fetch_options(cfg.data))  # a directory, URL or pipe: command
+        shards = run_source(cfg.data)  # a directory, URL or pipe: command
         base_nll = unigram_nll(shards, vocab=self.vocab, on_corrupt=cfg.data.on_corrupt) if eng.is_main else 0.0
         base_nll = eng.broadcast_object(base_nll)
         if eng.is_main:

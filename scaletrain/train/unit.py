@@ -24,6 +24,10 @@ class TranslationUnit:
         self._aux_sum, self._aux_n = None, 0  # MoE auxiliary loss of the training batches (on the device)
         self.moe_usage = MoeLanguageUsage.for_model(engine.module, len(langs)) if langs else None
 
+    @classmethod
+    def for_run(cls, cfg, engine: Engine, vocab) -> "TranslationUnit":
+        return cls(engine, cfg.optim.label_smoothing, vocab.pad, vocab.langs)
+
     def loss(self, batch):
         """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
 

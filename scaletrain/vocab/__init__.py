@@ -6,17 +6,20 @@
 
 Nothing else in the project hard-codes an id. The subword baseline's vocabulary
 (``SubwordVocab``: specials, SentencePiece pieces, then the tags) has the same interface;
-``load_vocab`` builds either from the ``data.tokenizer`` setting.
+``load_vocab`` builds either from the ``data.tokenizer`` setting and a model file.
 
 Modules: ``base`` (the shared ids, ``LanguageTags``, UTF-8 decoding), ``byte`` (``ByteVocab``),
-``subword`` (``SubwordVocab``). Training a SentencePiece model is the data package's job
-(``scaletrain.data.spm_train``); the manifest's record of the models is ``scaletrain.data.spm_models``.
+``subword`` (``SubwordVocab``).
+
+Layer: the bottom of the data side. It imports no other scaletrain package but ``errors`` and ``fileio``
+(``tests/unit/test_data_layers.py``) and never torch. Which model belongs to a shard directory is the
+manifest's business (``scaletrain.data.spm_models``: ``find_spm_model``, ``load_shard_vocab``); training one is
+``scaletrain.prepare.spm_train``.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from scaletrain.data.spm_models import find_spm_model
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab.base import (
     BOS,
@@ -42,20 +45,16 @@ __all__ = [
 TOKENIZERS = ("byte", "spm")
 
 
-def load_vocab(langs: Sequence[str], tokenizer: str = "byte", shard_dir=None, model_path=None, *,
-               vocab_size: int = 0, num_threads: int = 1):
+def load_vocab(langs: Sequence[str], tokenizer: str = "byte", model_path=None, *, num_threads: int = 1):
     """The vocabulary of a run: ``ByteVocab(langs)`` for ``tokenizer="byte"``; for ``"spm"`` a
-    ``SubwordVocab`` with the SentencePiece model ``model_path``, or else the one recorded in
-    ``shard_dir``'s manifest (``vocab_size`` picks one when several exist; 0 = the only one; its
-    sha256 is checked against the manifest)."""
+    ``SubwordVocab`` with the SentencePiece model file ``model_path`` (the model recorded with a shard
+    directory, sha256 checked: ``scaletrain.data.spm_models.load_shard_vocab``)."""
     if tokenizer == "byte":
         return ByteVocab(langs)
     if tokenizer != "spm":
         raise ScaletrainError(f"unknown tokenizer {tokenizer!r} (data.tokenizer): choose one of "
                               f"{', '.join(TOKENIZERS)}")
     if model_path is None:
-        if shard_dir is None:
-            raise ScaletrainError("tokenizer spm needs the SentencePiece model: give model_path or the shard directory "
-                                  "whose manifest records it")
-        model_path = find_spm_model(shard_dir, vocab_size)
+        raise ScaletrainError("tokenizer spm needs the SentencePiece model: give model_path, or load the one recorded "
+                              "with the shards (scaletrain.data.spm_models.load_shard_vocab)")
     return SubwordVocab(langs, model_path, num_threads=num_threads)

@@ -11,7 +11,7 @@ Id layout (the same interface as ``scaletrain.vocab.ByteVocab``)::
 
 The shards keep raw UTF-8; the model lives next to them (``spm<N>.model``, recorded in the
 manifest's ``tokenizers`` list with its sha256: ``scaletrain.data.spm_models``) and the stream
-tokenizes on the fly. How the model is trained: ``scaletrain.data.spm_train``.
+tokenizes on the fly. How the model is trained: ``scaletrain.prepare.spm_train``.
 Round trip: ``decode(encode(text)) == text`` for any text, with two exceptions SentencePiece
 imposes: U+2581 itself (its whitespace mark) comes back as a space, and invalid UTF-8 (only in
 shards prepared with ``--keep-invalid-utf8``) is encoded as U+FFFD.

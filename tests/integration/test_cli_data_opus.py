@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 from helpers import DIST_DRIVER, cli, deepspeed_cmd, launcher_env, run, tiny_model
-from scaletrain.data.gettext import read_gettext, split_of
-from scaletrain.data.prepare import add_prepare_arguments, prepare_from_args
+from scaletrain.prepare.gettext import read_gettext, split_of
+from scaletrain.prepare import add_prepare_arguments, prepare_from_args
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
 

@@ -11,8 +11,8 @@ from collections import defaultdict
 import pytest
 
 from helpers import ROOT
-from scaletrain.data.export_text import export_split
-from scaletrain.data.gettext import read_gettext
+from scaletrain.prepare import export_split
+from scaletrain.prepare.gettext import read_gettext
 from scaletrain.data.shards import Manifest, SplitWriter, load_manifest, prepare_out_dir, read_split, write_manifest
 from scaletrain.data.example import Example
 from scaletrain.errors import ScaletrainError

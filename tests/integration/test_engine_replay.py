@@ -153,12 +153,9 @@ def run_job(out: Path, shards: str, job: dict) -> None:
         need = steps * world * cfg.engine.grad_accum * job.get("merge", 1)
         stream = Replay(fixed_batches(shards, need), rank, world, cfg.engine.grad_accum, job.get("merge", 1))
     if job.get("record"):
-        from scaletrain.data.stream import ShardStream
+        from scaletrain.data.loader import ShardLoader
 
-        inner = stream or ShardStream(
-            shards, "train", rank=rank, world_size=world, seed=cfg.data.seed, max_tokens=cfg.data.max_tokens,
-            max_bytes=cfg.data.max_bytes, buffer_size=cfg.data.buffer_size,
-        )
+        inner = stream or ShardLoader.for_run(cfg.data, "train", rank=rank, world_size=world)
         stream = Recording(inner)
     trainer = Trainer(cfg, stream=stream)
     res = trainer.fit()

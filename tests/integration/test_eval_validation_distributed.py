@@ -29,7 +29,7 @@ DRIVER = textwrap.dedent('''
     eng.setup(build_model(cfg.model, vocab.size))
     # an untrained model's hypotheses mostly stop at their first invalid byte: decode raw bytes, so the
     # ranks are compared on many different hypotheses
-    val = BleuValidator.from_config(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12,
+    val = BleuValidator.for_run(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12,
                                     stop_invalid_utf8=False)
     model = eng.inference_module(lambda: build_model(cfg.model, vocab.size))
     res = val.run(model, rank=eng.rank, world_size=eng.world_size)

@@ -17,9 +17,10 @@ from scaletrain.checkpoint import load_for_inference, save_vocab_files
 from scaletrain.config import dump_yaml, load_config
 from scaletrain.data.batch import collate
 from scaletrain.data.shards import load_manifest, read_split
-from scaletrain.data.spm_train import add_spm_model
+from scaletrain.data.spm_models import load_shard_vocab
+from scaletrain.prepare import add_spm_model
 from scaletrain.models import build_model
-from scaletrain.vocab import ByteVocab, load_vocab
+from scaletrain.vocab import ByteVocab
 
 TINY = [*tiny_model(n_heads=4, layers=2, max_positions=160), "data.max_bytes=120",
         "eval.max_len_a=0.0", "eval.max_len_b=12", "eval.beam=2"]
@@ -75,7 +76,7 @@ def test_subword_export_carries_its_sentencepiece_model(django_shards, tmp_path)
     torch.manual_seed(0)
     cfg = load_config("subword_base", [*TINY, f"data.shards={d}", "data.spm_vocab_size=600"])
     langs = load_manifest(d).languages
-    vocab = load_vocab(langs, "spm", d)
+    vocab = load_shard_vocab(langs, "spm", d)
     model = build_model(cfg.model, vocab.size, pieces=vocab.pieces()).eval()
     ck = tmp_path / "ck"
     save_checkpoint(ck, cfg, model, langs, vocab)

@@ -37,7 +37,7 @@ DRIVER = textwrap.dedent('''
     torch.manual_seed(0)
     single = build_model(cfg.model, vocab.size, moe=cfg.moe).eval()  # every expert, one process, same seed
     # raw bytes (no stop at invalid UTF-8): an untrained model then gives many different hypotheses to compare
-    val = BleuValidator.from_config(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12,
+    val = BleuValidator.for_run(cfg, vocab, n_per_direction=4, max_len_a=0.5, max_len_b=12,
                                     stop_invalid_utf8=False)
     model = eng.inference_module(lambda: build_model(cfg.model, vocab.size, moe=cfg.moe))
     res = val.run(model, rank=eng.rank, world_size=eng.world_size)

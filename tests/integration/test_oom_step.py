@@ -31,12 +31,12 @@ def oom_at(monkeypatch, tr, step: int, micro: int):
     model = tr.engine.module
     real, calls, shapes = model.forward, [0], []
 
-    def forward(src, tgt_in):
+    def forward(src, tgt_in, **kw):
         calls[0] += 1
         if torch.is_grad_enabled() and tr.state.step + 1 == step and calls[0] == 2 * (step - 1) + micro + 1:
             shapes.append((tuple(src.shape), tuple(tgt_in.shape)))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return real(src, tgt_in)
+        return real(src, tgt_in, **kw)
 
     monkeypatch.setattr(model, "forward", forward)
     return shapes

@@ -15,8 +15,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from helpers import ROOT  # noqa: E402
-from scaletrain.data.gettext import read_gettext, split_of  # noqa: E402
-from scaletrain.data.prepare import add_prepare_arguments, prepare_from_args  # noqa: E402
+from scaletrain.prepare.gettext import read_gettext, split_of  # noqa: E402
+from scaletrain.prepare import add_prepare_arguments, prepare_from_args  # noqa: E402
 from scaletrain.data.shards import load_manifest, read_split  # noqa: E402
 from scaletrain.data.stream import ShardStream  # noqa: E402
 from scaletrain.errors import ScaletrainError  # noqa: E402
@@ -130,7 +130,7 @@ def test_data_stats_and_resume_of_a_complete_run(hub_dir, hub_shards):
 def test_interrupted_prepare_resumes(hub_dir, hub_shards, tmp_path, monkeypatch):
     """A run that dies part way (the 4th row range raises) continues with --resume into the same
     shards and manifest as the uninterrupted run."""
-    import scaletrain.data.prepare as prep
+    import scaletrain.prepare.build as prep
 
     root, _, _ = hub_dir
     real, calls = prep.read_parquet_range, []

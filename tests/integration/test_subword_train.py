@@ -24,7 +24,7 @@ from scaletrain.eval import generate as G
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate_arrays
-from scaletrain.data.spm_train import add_spm_model
+from scaletrain.prepare import add_spm_model
 from scaletrain.vocab import SubwordVocab
 
 N_SPM = 600

@@ -7,7 +7,8 @@ import pytest
 
 from helpers import tiny_model
 from scaletrain.config import load_config
-from scaletrain.data.stream import ShardLoader, ShardStream
+from scaletrain.data.loader import ShardLoader
+from scaletrain.data.stream import ShardStream
 
 TINY = [
     *tiny_model(n_heads=4, dropout=None), "data.max_bytes=40", "data.max_tokens=1000", "train.resume=false",

@@ -21,7 +21,7 @@ def flip_first_block_of_rank1(root):
     """Flip bytes in the text of rank 1's first block of the first window (the training reads it at once)."""
     seed = load_config("small").data.seed
     st = ShardStream(root, "train", rank=1, world_size=2, buffer_size=4, seed=seed, max_tokens=600, max_bytes=40)
-    sh, b = st.block(st._slot_blocks(0, 0)[1][0])
+    sh, b = st.block(st.planner.slot_blocks(0, 0)[1][0])
     raw = bytearray((root / sh.name).read_bytes())
     for i in range(b.offset + b.size - 32, b.offset + b.size):
         raw[i] ^= 0x5A

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.data import gettext as gt
-from scaletrain.data.prepare import prepare_from_args, prepare_gettext
-from scaletrain.data.prepare_args import add_prepare_arguments
+from scaletrain.prepare import gettext as gt
+from scaletrain.prepare import prepare_from_args, prepare_gettext
+from scaletrain.prepare.args import add_prepare_arguments
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from scaletrain.data.shards import CorruptShardError, load_manifest, read_block, write_manifest
-from scaletrain.data.stream import ShardLoader, ShardStream
+from scaletrain.data.loader import ShardLoader
+from scaletrain.data.stream import ShardStream
 from scaletrain.vocab import BYTE_OFFSET, LANG_OFFSET
 
 KW = dict(max_tokens=2048, max_bytes=256, buffer_size=4, epochs=1, seed=3)

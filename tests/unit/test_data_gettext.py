@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.data import gettext as gt
+from scaletrain.prepare import gettext as gt
 from scaletrain.errors import ScaletrainError
 
 

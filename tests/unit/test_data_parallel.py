@@ -6,12 +6,12 @@ from collections import Counter
 
 import pytest
 
-from scaletrain.data import prepare as prep
-from scaletrain.data import parallel_text as text
-from scaletrain.data.opus import opus100_corpora
-from scaletrain.data.prepare import prepare_opus100, prepare_parallel
+from scaletrain.prepare import build as prep
+from scaletrain.prepare import parallel_text as text
+from scaletrain.prepare.opus import opus100_corpora
+from scaletrain.prepare import prepare_opus100, prepare_parallel
 from scaletrain.data.shards import load_manifest, read_split
-from scaletrain.data.parallel_text import PairFilter, ParallelCorpus, index_lines, read_lines
+from scaletrain.prepare.parallel_text import PairFilter, ParallelCorpus, index_lines, read_lines
 from scaletrain.errors import ScaletrainError
 
 

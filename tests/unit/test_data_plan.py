@@ -20,17 +20,9 @@ from scaletrain.data.shards import (
     read_split,
     write_manifest,
 )
-from scaletrain.data.stream import (
-    ShardLoader,
-    ShardStream,
-    _pack,
-    _pack_chunk,
-    _unpack,
-    _unpack_chunk,
-    greedy_cut,
-    hilbert_index,
-    plan_batches,
-)
+from scaletrain.data.batching import decode_batches, greedy_cut, hilbert_index, plan_batches
+from scaletrain.data.loader import ShardLoader, pack_chunk, unpack_chunk
+from scaletrain.data.stream import ShardStream
 from scaletrain.errors import ScaletrainError
 
 
@@ -56,6 +48,32 @@ def test_greedy_cut_equals_reference(seed):
         s = np.sort(s)  # long runs of growing lengths exercise the doubling look-ahead
     for max_tokens in (5, 300, 4096, 10**6):
         assert greedy_cut(s, t, max_tokens) == reference_cut(s.tolist(), t.tolist(), max_tokens)
+
+
+def reference_decode_batches(lengths, batch_tokens, beam, max_sentences):
+    """Decoding batches one example at a time: longest first, a batch grows while its rows * beam * longest
+    source stays within the budget and its rows within ``max_sentences``."""
+    batches, cur, longest = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        new_longest = max(longest, lengths[i])
+        full = max_sentences is not None and len(cur) >= max_sentences
+        if cur and ((len(cur) + 1) * beam * new_longest > batch_tokens or full):
+            batches.append(cur)
+            cur, new_longest = [], lengths[i]
+        cur.append(i)
+        longest = new_longest
+    return batches + [cur] if cur else batches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_batches_share_the_greedy_cut_and_equal_the_reference(seed):
+    """The evaluation batcher is the training batcher's cut over beam-expanded source lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, [8, 60, 700][seed % 3], int(rng.integers(0, 500))).tolist()
+    for budget, beam, cap in ((1, 1, None), (64, 4, None), (700, 2, 3), (5000, 5, 100), (10**6, 1, 0), (300, 3, -1)):
+        got = decode_batches(lengths, budget, beam, cap)
+        assert got == reference_decode_batches(lengths, budget, beam, cap)
+        assert sorted(i for b in got for i in b) == list(range(len(lengths)))
 
 
 def test_hilbert_index_is_a_bijection_with_unit_steps():
@@ -174,15 +192,16 @@ def assert_same_batch(a, b):
 def test_pack_unpack_roundtrip():
     exs = [Example(3, 0, b"abc", b""), Example(0, 7, b"", b"xyz\x02\x00"), Example(1, 2, b"q" * 9, b"r" * 4)]
     b = collate(exs, max_bytes=6)
-    packed = _pack(b)
+    packed = pack_chunk([b])
     assert packed[1].dtype == np.uint16
-    assert_same_batch(_unpack(packed), b)
+    (back,) = unpack_chunk(packed)
+    assert_same_batch(back, b)
     # a chunk of several batches, one of them with ids beyond uint16 (a large subword vocabulary)
     big = Batch(b.src + 70000, b.tgt_in, b.tgt_out, b.src_lang, b.tgt_lang, b.n_src_tokens, b.n_tgt_tokens)
     for chunk in ([b, b, b], [b, big]):
-        packed = _pack_chunk(chunk)
+        packed = pack_chunk(chunk)
         assert packed[1].dtype == (np.uint16 if len(chunk) == 3 else np.int64)
-        back = _unpack_chunk(packed)
+        back = unpack_chunk(packed)
         assert len(back) == len(chunk)
         for x, y in zip(back, chunk):
             assert_same_batch(x, y)
@@ -199,7 +218,7 @@ def test_loader_with_one_worker_process_equals_stream(tmp_path):
 
 
 def test_prepare_argument_defaults_match_the_library():
-    from scaletrain.data import prepare, prepare_args
+    from scaletrain.prepare import args, build
 
-    assert prepare_args._SHARD_LINES == prepare.PARALLEL_SHARD_LINES
-    assert prepare_args._BLOCK_SIZE == prepare.PARALLEL_BLOCK_SIZE
+    assert args._SHARD_LINES == build.PARALLEL_SHARD_LINES
+    assert args._BLOCK_SIZE == build.PARALLEL_BLOCK_SIZE

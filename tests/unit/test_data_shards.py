@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from helpers import ROOT
 from scaletrain import __version__
 from scaletrain.data.batch import Example
-from scaletrain.data.gettext import split_key, split_of
-from scaletrain.data.prepare import prepare_gettext
+from scaletrain.prepare.gettext import split_key, split_of
+from scaletrain.prepare import prepare_gettext
 from scaletrain.data.shards import (
     SplitWriter,
     decode_block,
@@ -256,7 +256,8 @@ def test_prepare_gettext_django(tmp_path):
 
 TORCH_FREE = ("scaletrain.fileio", "scaletrain.data.example", "scaletrain.data.sources", "scaletrain.data.shards",
               "scaletrain.data.spm_models",
-              "scaletrain.vocab", "scaletrain.data.spm_train", "scaletrain.data.prepare")
+              "scaletrain.vocab", "scaletrain.prepare", "scaletrain.prepare.spm_train", "scaletrain.prepare.build",
+              "scaletrain.prepare.export_text")
 
 
 def test_shards_and_prepare_do_not_import_torch():

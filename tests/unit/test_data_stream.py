@@ -11,7 +11,9 @@ import torch
 
 from scaletrain.data.batch import Example
 from scaletrain.data.shards import Manifest, SplitWriter, prepare_out_dir, write_manifest
-from scaletrain.data.stream import ShardLoader, ShardStream, equalise, plan_batches
+from scaletrain.data.batching import equalise, plan_batches
+from scaletrain.data.loader import ShardLoader
+from scaletrain.data.stream import ShardStream
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET
 
@@ -179,8 +181,8 @@ def test_bad_settings_are_user_errors(data):
 
 def test_token_budget_bound_is_one_example_and_shared_with_the_config(data):
     """``2 * max_bytes + 3`` is exactly what one truncated example costs (``Batch.padded_tokens``);
-    the stream and ``config.validate`` accept and refuse the same budgets."""
-    from scaletrain.config import Config, validate
+    the stream and ``Config.validate`` accept and refuse the same budgets."""
+    from scaletrain.config import Config
     from scaletrain.data.batch import collate
     from scaletrain.data.example import max_example_tokens, token_budget_problem
 
@@ -194,11 +196,11 @@ def test_token_budget_bound_is_one_example_and_shared_with_the_config(data):
         ShardStream(d, max_tokens=2 * mb + 2, max_bytes=mb)
     cfg = Config()
     cfg.data.max_bytes, cfg.data.max_tokens = mb, 2 * mb + 3
-    validate(cfg)
+    cfg.validate()
     cfg.data.max_tokens = 2 * mb + 2
     with pytest.raises(ScaletrainError, match=r"config key 'data.max_tokens': data.max_tokens=34 cannot hold one "
                                               r"example of data.max_bytes=16"):
-        validate(cfg)
+        cfg.validate()
 
 
 def test_plan_batches_and_equalise_units():
@@ -245,6 +247,56 @@ def test_loader_without_workers_matches_stream(data):
     a = list(ShardLoader(d, rank=1, world_size=2, epochs=1, **KW))
     b = list(ShardStream(d, rank=1, world_size=2, epochs=1, **KW))
     assert len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def test_for_run_reads_the_data_section_for_training_and_validation(tmp_path):
+    """``ShardLoader.for_run``: the training loader takes every stream key of ``cfg.data``; any other split is
+    read once with seed 0, natural proportions and the stream's default window (the validation loss's stream)."""
+    from scaletrain.config import Config
+
+    rng = np.random.default_rng(3)
+    out = prepare_out_dir(tmp_path / "tv", overwrite=True)
+    splits = {}
+    for split, n in (("train", 500), ("valid", 300)):
+        w = SplitWriter(out, split, LANGS, shard_size=100, block_size=16)
+        w.add_all(Example(int(rng.integers(1, 4)), 0, b"s" * int(rng.integers(1, 90)), b"t" * int(rng.integers(1, 90)))
+                  if i % 3 else Example(0, int(rng.integers(1, 4)), b"a" * int(rng.integers(1, 50)), b"b" * i)
+                  for i in range(n))
+        splits[split] = w.close()
+    write_manifest(out, Manifest(LANGS, splits))
+    d = Config().data
+    d.shards, d.max_tokens, d.max_bytes, d.buffer_size, d.seed = str(out), 700, 150, 2, 7
+    d.temperature, d.pad_to_multiple, d.max_rows = 3.0, 8, 5
+    shape = dict(max_tokens=700, max_bytes=150, pad_to_multiple=8, max_rows=5)
+    train = ShardLoader.for_run(d, "train", rank=1, world_size=2)
+    ref = ShardStream(out, "train", rank=1, world_size=2, seed=7, buffer_size=2, temperature=3.0, **shape)
+    a, b = list(itertools.islice(train, 60)), list(itertools.islice(ref, 60))
+    assert all(same(x, y) for x, y in zip(a, b)) and train.state_dict()["positions"][0] == ref.state_dict()
+    valid = ShardLoader.for_run(d, "valid", rank=1, world_size=2)
+    b = list(ShardStream(out, "valid", rank=1, world_size=2, seed=0, epochs=1, **shape))
+    a = list(itertools.islice(valid, 2 * len(b)))  # one pass: it ends
+    assert len(a) == len(b) > 3 and all(same(x, y) for x, y in zip(a, b))
+    d.on_corrupt = "ignore"
+    for split in ("train", "valid"):
+        with pytest.raises(ScaletrainError, match="on_corrupt must be stop or skip"):
+            ShardLoader.for_run(d, split)
+
+
+def test_in_process_loader_streams_with_the_stream_it_validated(data, monkeypatch):
+    """In-process, the first pass uses the stream the loader built to check its settings (the manifest is read
+    once); a later pass starts a stream of its own from the loader's state."""
+    import scaletrain.data.stream as stream_mod
+
+    d, _ = data
+    reads, real = [], stream_mod.load_manifest
+    monkeypatch.setattr(stream_mod, "load_manifest", lambda src: reads.append(src) or real(src))
+    ld = ShardLoader(d, epochs=1, **KW)
+    start = ld.state_dict()
+    a = list(ld)
+    assert len(reads) == 1
+    ld.load_state_dict(start)
+    b = list(ld)
+    assert len(reads) == 2 and len(a) == len(b) > 3 and all(same(x, y) for x, y in zip(a, b))
 
 
 def test_loader_two_ranks_two_workers_cover_and_resume_exactly(data):
@@ -302,7 +354,7 @@ def test_loader_chunks_follow_the_window_grid_and_resume_mid_chunk(data):
 
 
 def test_auto_num_workers_rule():
-    from scaletrain.data.stream import auto_num_workers
+    from scaletrain.data.loader import auto_num_workers
 
     assert auto_num_workers("cpu", "shards/django", 2, 2)[0] == 0  # every core trains
     assert auto_num_workers("cpu", "shards/django", 1, 64)[0] == 0

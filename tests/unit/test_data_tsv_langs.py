@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 
 from scaletrain.data.inspect_shards import data_stats, format_stats
-from scaletrain.data.prepare import add_prepare_arguments, prepare_from_args, prepare_parallel
+from scaletrain.prepare import add_prepare_arguments, prepare_from_args, prepare_parallel
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.data.stream import ShardStream
-from scaletrain.data.parallel_text import ParallelCorpus, lang_code, tsv_languages
+from scaletrain.prepare.parallel_text import ParallelCorpus, lang_code, tsv_languages
 from scaletrain.errors import ScaletrainError
 
 

@@ -14,7 +14,8 @@ from shard_server import ShardServer
 from scaletrain.data.inspect_shards import data_stats, verify
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import FetchOptions, open_source
-from scaletrain.data.stream import ShardLoader, ShardStream
+from scaletrain.data.loader import ShardLoader
+from scaletrain.data.stream import ShardStream
 from scaletrain.errors import CorruptShardError, ScaletrainError
 
 KW = dict(max_tokens=2048, max_bytes=256, buffer_size=2, epochs=1, seed=5)

@@ -17,7 +17,7 @@ DISTRIBUTION = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn", "g
                 "cv2": "opencv-python", "attr": "attrs", "dateutil": "python-dateutil"}
 # declared runtime dependencies scaletrain does not import, and why
 NOT_IMPORTED = {
-    "django": "the bundled corpus: scaletrain.data.gettext reads its .mo catalogs as files (importlib find_spec)",
+    "django": "the bundled corpus: scaletrain.prepare.gettext reads its .mo catalogs as files (importlib find_spec)",
     "webdataset": "our shards are WebDataset tars; users read them with webdataset.WebDataset and "
                   "scaletrain.data.decode_webdataset_sample (tests/unit/test_data_webdataset.py)",
 }

@@ -87,13 +87,13 @@ def test_validator_scores_every_line_like_evaluate_and_ranks_combine_to_the_same
         val.run(model, rank=0, world_size=3, gather=lambda mine: [mine, parts[1]])
 
 
-def test_validator_from_config_reads_the_fixed_subset(django_shards):
+def test_validator_for_run_reads_the_fixed_subset(django_shards):
     from scaletrain.config import load_config
     from scaletrain.data.shards import load_manifest, read_split
 
     cfg = load_config("small", [f"data.shards={django_shards}"])
     vocab = ByteVocab(load_manifest(django_shards).languages)
-    val = BleuValidator.from_config(cfg, vocab, n_per_direction=3)
+    val = BleuValidator.for_run(cfg, vocab, n_per_direction=3)
     assert val.examples == first_n_per_direction(read_split(django_shards, "valid"), 3)
     assert len(val.examples) == 30 and val.decode_kw["beam"] == 1 and "latin" in val.groups
 

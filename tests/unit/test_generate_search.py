@@ -11,6 +11,7 @@ from torch import nn
 
 from scaletrain.eval import generate as G
 from scaletrain.data.batch import Example, collate
+from scaletrain.data.batching import decode_batches
 from scaletrain.errors import ScaletrainError
 from scaletrain.vocab import BOS, BYTE_OFFSET, EOS, LANG_OFFSET, PAD, UNK, ByteVocab
 
@@ -316,7 +317,7 @@ def test_bad_inputs_raise():
 
 def test_length_batches_respect_budget_and_cover_everything():
     lengths = [5, 40, 3, 17, 17, 2, 60, 9, 1, 33]
-    batches = G._length_batches(lengths, batch_tokens=100, beam=2, max_sentences=3)
+    batches = decode_batches(lengths, batch_tokens=100, beam=2, max_sentences=3)
     flat = sorted(i for b in batches for i in b)
     assert flat == list(range(len(lengths)))
     for b in batches:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from scaletrain.data.parallel_text import read_tsv_range, tsv_languages
-from scaletrain.data.prepare import add_prepare_arguments, prepare_from_args
+from scaletrain.prepare.parallel_text import read_tsv_range, tsv_languages
+from scaletrain.prepare import add_prepare_arguments, prepare_from_args
 from scaletrain.data.shards import load_manifest, read_split
 
 BOM = b"\xef\xbb\xbf"

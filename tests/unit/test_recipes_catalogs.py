@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from scaletrain.config import load_config, recipe_names
-from scaletrain.data.gettext import CATALOG_LANGS
+from scaletrain.prepare.gettext import CATALOG_LANGS
 from scaletrain.errors import ScaletrainError
 
 CATALOG_RECIPES = {"catalogs_base": "base", "catalogs_embeddingless": "embeddingless", "catalogs_byte_ncf": "byte_ncf",

@@ -15,12 +15,14 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import TEST_LANGS
 from scaletrain.cli import main as cli_main
-from scaletrain.config import Config, validate
+from scaletrain.config import Config
 from scaletrain.data.inspect_shards import verify
 from scaletrain.data.shards import load_manifest, read_split
-from scaletrain.data.stream import ShardLoader, ShardStream, _pack, _unpack
+from scaletrain.data.spm_models import load_shard_vocab
+from scaletrain.data.loader import ShardLoader, pack_chunk, unpack_chunk
+from scaletrain.data.stream import ShardStream
 from scaletrain.errors import ScaletrainError
-from scaletrain.data.spm_train import add_spm_model, iter_train_sentences, train_spm_bytes
+from scaletrain.prepare.spm_train import add_spm_model, iter_train_sentences, train_spm_bytes
 from scaletrain.vocab import BOS, EOS, LANG_OFFSET, PAD, UNK, ByteVocab, SubwordVocab, load_vocab
 
 N = 600  # smallest round size that holds 4 specials + 256 bytes + the 5 test languages' characters at 0.98
@@ -39,7 +41,7 @@ def spm_dir(django_shards, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vocab(spm_dir):
     d, _ = spm_dir
-    return load_vocab(load_manifest(d).languages, "spm", d)
+    return load_shard_vocab(load_manifest(d).languages, "spm", d)
 
 
 def texts(d, split="test"):
@@ -158,7 +160,7 @@ def test_manifest_entry_and_verify_catch_corruption(spm_dir, tmp_path):
     rep = verify(bad)
     assert not rep.ok and any(f"spm{N}.model: sha256 differs" in p for p in rep.problems)
     with pytest.raises(ScaletrainError, match="sha256 differs from the manifest"):
-        load_vocab(m.languages, "spm", bad)
+        load_shard_vocab(m.languages, "spm", bad)
     # a corrupted lengths file too
     shutil.copy(d / entry["file"], bad / entry["file"])
     lf = bad / entry["lengths"]["valid"]["file"]
@@ -169,7 +171,7 @@ def test_manifest_entry_and_verify_catch_corruption(spm_dir, tmp_path):
     assert [p for p in rep.problems] == [f"{lf}: sha256 differs from the manifest (corrupt token lengths; re-create "
                                          f"with `scaletrain data spm {bad} --vocab-size {N} --overwrite`)"]
     # ... which the stream also catches when the rank tokenizes that block itself
-    v = load_vocab(m.languages, "spm", bad)
+    v = load_shard_vocab(m.languages, "spm", bad)
     with pytest.raises(ScaletrainError, match="token lengths differ from the tokenizer's lengths file"):
         list(ShardStream(bad, "valid", max_tokens=4096, max_bytes=256, epochs=1, vocab=v, shuffle=False))
 
@@ -252,8 +254,8 @@ def test_stream_exact_resume_and_two_ranks(spm_dir, vocab):
     for rank in range(2):
         s = ShardStream(d, epochs=1, vocab=vocab, world_size=2, rank=rank, **KW)
         t = ShardStream(d, epochs=1, vocab=vocab, world_size=2, rank=rank, **KW)
-        assert s._tok_lengths is not None
-        t._tok_lengths = None  # no lengths file: every slot tokenized
+        assert s.blocks.token_lengths is not None
+        t.blocks.token_lengths = None  # no lengths file: every slot tokenized
         bs, bt = list(s), list(t)
         assert len(bs) == len(bt) and all(torch.equal(x.src, y.src) and torch.equal(x.tgt_out, y.tgt_out)
                                           for x, y in zip(bs, bt))
@@ -278,7 +280,7 @@ def test_stream_state_names_the_tokenizer_and_loader_keeps_tags(spm_dir, vocab):
         ShardStream(d, vocab=SubwordVocab(["en", "de"], d / f"spm{N}.model"), **KW)
     # the worker wire format keeps the subword tag ids; a loader without workers = the stream
     first = next(iter(ShardStream(d, epochs=1, vocab=vocab, **KW)))
-    back = _unpack(_pack(first))
+    (back,) = unpack_chunk(pack_chunk([first]))
     assert all(torch.equal(getattr(first, f), getattr(back, f)) for f in ("src", "tgt_in", "tgt_out"))
     ld = list(ShardLoader(d, epochs=1, vocab=vocab, **KW))
     assert len(ld) == len(list(sub)) and torch.equal(ld[0].tgt_in, first.tgt_in)
@@ -299,18 +301,18 @@ def test_prepare_spm_vocab_size_through_the_cli(tmp_path, capsys):
     (e,) = m.tokenizers
     assert e["file"] == f"spm{N}.model" and e["vocab_size"] == N
     assert cli_main(["data", "verify", str(out)]) == 0
-    v = load_vocab(m.languages, "spm", out)
+    v = load_shard_vocab(m.languages, "spm", out)
     assert v.size == N + 6
     # `data spm` adds a second size to existing shards; the config picks one by size
     assert cli_main(["data", "spm", str(out), "--vocab-size", "700", "--character-coverage", str(COV),
                      "--no-progress"]) == 0
     m = load_manifest(out)
     assert [t["vocab_size"] for t in m.tokenizers] == [N, 700]
-    assert load_vocab(m.languages, "spm", out, vocab_size=700).lang_offset == 700
+    assert load_shard_vocab(m.languages, "spm", out, vocab_size=700).lang_offset == 700
     with pytest.raises(ScaletrainError, match="several SentencePiece models .*data.spm_vocab_size"):
-        load_vocab(m.languages, "spm", out)
+        load_shard_vocab(m.languages, "spm", out)
     with pytest.raises(ScaletrainError, match=r"no SentencePiece model of size 800 .*it has: 600, 700"):
-        load_vocab(m.languages, "spm", out, vocab_size=800)
+        load_shard_vocab(m.languages, "spm", out, vocab_size=800)
     capsys.readouterr()
     assert cli_main(["data", "spm", str(out), "--vocab-size", "300", "--character-coverage", str(COV),
                      "--no-progress"]) == 2
@@ -323,19 +325,19 @@ def test_config_and_tokenizer_errors(django_shards):
     cfg = Config()
     cfg.data.tokenizer = "wordpiece"
     with pytest.raises(ScaletrainError, match="'data.tokenizer': must be byte or spm"):
-        validate(cfg)
+        cfg.validate()
     cfg = Config()
     cfg.data.spm_vocab_size = 8000
     with pytest.raises(ScaletrainError, match="'data.spm_vocab_size'.*set data.tokenizer=spm"):
-        validate(cfg)
+        cfg.validate()
     cfg.data.tokenizer = "spm"
-    validate(cfg)
+    cfg.validate()
     langs = load_manifest(django_shards).languages
     assert isinstance(load_vocab(langs), ByteVocab)
     with pytest.raises(ScaletrainError, match=r"has no SentencePiece model .*--spm-vocab-size N"):
-        load_vocab(langs, "spm", django_shards)
+        load_shard_vocab(langs, "spm", django_shards)
     with pytest.raises(ScaletrainError, match="unknown tokenizer 'bpe' .*byte, spm"):
-        load_vocab(langs, "bpe", django_shards)
+        load_shard_vocab(langs, "bpe", django_shards)
     with pytest.raises(ScaletrainError, match="needs the SentencePiece model"):
         load_vocab(langs, "spm")
 

@@ -28,8 +28,8 @@ import re
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from scaletrain.data.parallel_text import ParallelCorpus
 from scaletrain.errors import ScaletrainError
+from scaletrain.prepare.parallel_text import ParallelCorpus
 
 log = logging.getLogger(__name__)
 

@@ -221,7 +221,7 @@ class ParallelCorpus:
     """One line-aligned corpus of one split: a file pair or a TSV file (src<TAB>tgt), or a TSV file with
     language columns (``lang_columns=True``: src_lang<TAB>tgt_lang<TAB>src<TAB>tgt; ``src_lang`` /
     ``tgt_lang`` are then unused, pass ""), or a Parquet file with a ``translation`` column
-    (``parquet_path``, Hugging Face Hub layout: rows are the "lines", see ``scaletrain.data.hf_parquet``)."""
+    (``parquet_path``, Hugging Face Hub layout: rows are the "lines", see ``scaletrain.prepare.hf_parquet``)."""
 
     split: str
     src_lang: str

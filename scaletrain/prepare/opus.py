@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from scaletrain.data.parallel_text import ParallelCorpus
 from scaletrain.errors import ScaletrainError
+from scaletrain.prepare.parallel_text import ParallelCorpus
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""``prepare``: corpus -> shards + manifest (gettext catalogs; line-aligned corpora such as OPUS-100)."""
+"""``scaletrain prepare``: corpus -> shards + manifest (gettext catalogs; line-aligned corpora such as OPUS-100,
+Moses file pairs, TSV, the Hub's Parquet layout), written in parallel and resumable."""
 from __future__ import annotations
 
 import json
@@ -13,22 +14,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from scaletrain.data.example import Example
-from scaletrain.data.gettext import (
-    CATALOG_LANGS,
-    DEFAULT_LANGS,
-    EXCLUDED_DOMAINS,
-    PIVOT,
-    CatalogRoot,
-    single_root,
-    check_fracs,
-    read_catalogs,
-    resolve_roots,
-    split_key,
-    split_of,
-)
-from scaletrain.data.hf_parquet import check_schema, hf_parquet_corpora, read_parquet_range
-from scaletrain.data.opus import opus100_corpora
-from scaletrain.data.prepare_args import CATALOGS_OUT, DEFAULT_OUT, SOURCES, add_prepare_arguments  # noqa: F401
 from scaletrain.data.shards import (
     MANIFEST,
     SPLITS,
@@ -42,8 +27,25 @@ from scaletrain.data.shards import (
     shard_name,
     write_manifest,
 )
-from scaletrain.data.spm_train import add_spm_model, check_spm_args
-from scaletrain.data.parallel_text import (
+from scaletrain.errors import ScaletrainError
+from scaletrain.fileio import atomic_write_bytes, sha256_file
+from scaletrain.prepare.args import CATALOGS_OUT, DEFAULT_OUT
+from scaletrain.prepare.gettext import (
+    CATALOG_LANGS,
+    DEFAULT_LANGS,
+    EXCLUDED_DOMAINS,
+    PIVOT,
+    CatalogRoot,
+    single_root,
+    check_fracs,
+    read_catalogs,
+    resolve_roots,
+    split_key,
+    split_of,
+)
+from scaletrain.prepare.hf_parquet import check_schema, hf_parquet_corpora, read_parquet_range
+from scaletrain.prepare.opus import opus100_corpora
+from scaletrain.prepare.parallel_text import (
     FILTER_REASONS,
     KEPT_NOTES,
     PairFilter,
@@ -56,8 +58,7 @@ from scaletrain.data.parallel_text import (
     read_tsv_range,
     tsv_languages,
 )
-from scaletrain.errors import ScaletrainError
-from scaletrain.fileio import atomic_write_bytes, sha256_file
+from scaletrain.prepare.spm_train import add_spm_model, check_spm_args
 
 GETTEXT_SHARD_SIZE = 2048  # examples per shard at least: the bundled django train set gives >= 4 train shards
 GETTEXT_TRAIN_SHARDS = 32  # larger corpora: about this many train shards (enough for ranks x loader workers)
@@ -120,7 +121,7 @@ def prepare_gettext(
         splits[s] = w.close()
     bar.close()
     cleaning = {
-        "rules": "scaletrain.data.gettext (see module doc)",
+        "rules": "scaletrain.prepare.gettext (see module doc)",
         "total": corpus.total_counters(),
         "per_lang": corpus.counters,
         "per_source": corpus.per_source,
@@ -337,7 +338,7 @@ def prepare_parallel(
     total: Counter = Counter()
     for c in per_corpus.values():
         total.update(c)
-    cleaning = {"rules": "scaletrain.data.parallel_text.PairFilter", "total": dict(total),
+    cleaning = {"rules": "scaletrain.prepare.parallel_text.PairFilter", "total": dict(total),
                 "per_corpus": {k: dict(v) for k, v in per_corpus.items()}}
     src = dict(source or {"type": "parallel"})
     src["corpora"] = [asdict(c) for c in corpora]
@@ -488,7 +489,7 @@ def prepare_opus100(root: str | Path, out: str | Path, *, langs: Sequence[str] |
 def prepare_hf_parquet(root: str | Path, out: str | Path, *, langs: Sequence[str] | None = None,
                        **kwargs) -> Manifest:
     """Hugging Face Hub layout (``<l1>-<l2>/<split>-*.parquet`` with a ``translation`` column) -> shards;
-    kwargs as ``prepare_parallel``. See ``scaletrain.data.hf_parquet``."""
+    kwargs as ``prepare_parallel``. See ``scaletrain.prepare.hf_parquet``."""
     corpora, source = hf_parquet_corpora(root, langs)
     return prepare_parallel(corpora, out, source=source, **kwargs)
 

@@ -1,14 +1,14 @@
 """Arguments of ``scaletrain prepare`` (kept free of heavy imports so building the CLI parser is fast).
 
 The CLI adds them with ``add_prepare_arguments(parser)`` and runs
-``scaletrain.data.prepare.prepare_from_args(args)``.
+``scaletrain.prepare.build.prepare_from_args(args)``.
 """
 from __future__ import annotations
 
-from scaletrain.data.gettext import EXCLUDED_DOMAINS, SYSTEM_LOCALE_DIRS
+from scaletrain.prepare.gettext import EXCLUDED_DOMAINS, SYSTEM_LOCALE_DIRS
 
-_SHARD_LINES = 50_000  # = prepare.PARALLEL_SHARD_LINES
-_BLOCK_SIZE = 1024  # = prepare.PARALLEL_BLOCK_SIZE
+_SHARD_LINES = 50_000  # = build.PARALLEL_SHARD_LINES
+_BLOCK_SIZE = 1024  # = build.PARALLEL_BLOCK_SIZE
 SOURCES = ("gettext", "opus100", "hf-parquet", "moses", "tsv")
 DEFAULT_OUT = {"gettext": "shards/django", "opus100": "shards/opus100"}
 CATALOGS_OUT = "shards/catalogs"  # gettext with catalogs other than Django's alone
@@ -83,7 +83,7 @@ def add_prepare_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-SPM_SENTENCES = 2_000_000  # = scaletrain.data.spm_train.DEFAULT_SENTENCES
+SPM_SENTENCES = 2_000_000  # = scaletrain.prepare.spm_train.DEFAULT_SENTENCES
 SPM_COVERAGE = 0.9995
 SPM_THREADS = 4
 
