@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.parallel import ParallelContext, build_parallel_context, model_parallel_context
+from scaletrain.parallel import ParallelContext, ParallelDims
 from scaletrain.parallel.lockstep import LockstepDecoder
 
 
@@ -128,24 +128,28 @@ def min_loss_scale_error(scale: float) -> ScaletrainError:
 
 
 class Engine(ABC):
-    """What the loop needs: distributed info, forward/backward/step, collectives, checkpoints."""
+    """What the loop needs: distributed info, forward/backward/step, collectives, checkpoints.
+
+    ``parallel``: this rank's :class:`~scaletrain.parallel.ParallelContext` (data-parallel,
+    expert-parallel and expert-data-parallel groups), built once in the constructor from the config
+    (:meth:`build_parallel`) and handed to the model builder, the gradient reduction, the expert
+    set-up and decoding."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    parallel: ParallelContext = ParallelContext.single()
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def parallel_context(self, ep_size: int = 1) -> ParallelContext:
-        """This rank's expert-parallel context for the model builder (``moe.ep_size``), built once per
-        ep_size; creating the groups is collective when ep_size > 1 (call it on every rank)."""
-        cache = self.__dict__.setdefault("_parallel_contexts", {})
-        if ep_size not in cache:
-            cache[ep_size] = build_parallel_context(ep_size, self.world_size, self.rank)
-        return cache[ep_size]
+    def build_parallel(self, cfg) -> ParallelContext:
+        """Make ``self.parallel`` for ``cfg`` once the default process group is up and ``rank`` /
+        ``world_size`` are set (collective: every rank calls it once)."""
+        self.parallel = ParallelDims.from_config(cfg, self.world_size).build(self.rank)
+        return self.parallel
 
     @abstractmethod
     def setup(self, model: torch.nn.Module) -> None:
@@ -221,9 +225,8 @@ class Engine(ABC):
         self.train(False)
         if not self.partitioned():
             return self.module
-        ctx = model_parallel_context(self.module)
-        if ctx.ep_size > 1:  # experts stay where they are; ranks decode in lock-step (finish() after)
-            return LockstepDecoder(self.module, ctx)
+        if self.parallel.ep_size > 1:  # experts stay where they are; ranks decode in lock-step (finish() after)
+            return LockstepDecoder(self.module, self.parallel)
         sd = self.full_state_dict()
         with torch.random.fork_rng(devices=[]):
             copy = build()

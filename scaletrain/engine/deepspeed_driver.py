@@ -1,8 +1,9 @@
-"""Everything that touches a ``deepspeed.DeepSpeedEngine``, shared by both of our engines.
+"""The ``Driver`` (``driver.py``) of a ``deepspeed.DeepSpeedEngine``, and DeepSpeed's checkpoint files.
 
 :class:`DeepSpeedEngine` (the native launcher) and :class:`AccelerateEngine` with the DeepSpeed
 plugin both end up holding a DeepSpeed engine; the micro-step protocol, the update, the gradient
-norm, ZeRO-3 parameter gathering and checkpoint I/O are written once here. Code outside
+norm, ZeRO-3 parameter gathering and checkpoint I/O are written once here (the expert set-up around
+``deepspeed.initialize`` is ``experts.py``). Code outside
 ``scaletrain/engine/`` never asks about ZeRO: it calls ``Engine.inference_module()`` and
 ``Engine.full_state_dict()``, and :func:`consolidated_weights` reads DeepSpeed's checkpoint files.
 """
@@ -20,8 +21,9 @@ from scaletrain.engine.device_skip import (can_skip_on_device, clip_, grad_norm,
 from scaletrain.engine.model_prep import cudagraph_step_begin
 from scaletrain.engine.optim import own_grad_norm
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel import ParallelContext
 from scaletrain.parallel.grads import ExpertParallelGrads
-from scaletrain.parallel.state import expert_checkpoint_load, rank0_layout, save_expert_shard
+from scaletrain.parallel.state import expert_checkpoint_load, save_expert_shard
 from scaletrain.safeload import register_safe_types, safe_torch_load, weights_only_loads
 
 
@@ -58,61 +60,13 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def _holds_experts(module) -> bool:
-    """A scaletrain MoE feed-forward block (its ``experts`` say which slice of the layer's experts)."""
-    return getattr(getattr(module, "experts", None), "first_expert", None) is not None
-
-
-@contextlib.contextmanager
-def expert_setup(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: int):
-    """Around an engine's set-up (``deepspeed.initialize``, Accelerate's ``prepare``; ``zero_stage`` 0 for
-    DDP) under expert parallelism; build the optimizer inside.
-
-    ZeRO-0 and DDP: the owned expert tensors (MoCE, ``moe.moce_partition``) take rank 0's shapes while
-    the engine broadcasts rank 0's parameters, and get their own back after (``rank0_layout``).
-
-    ZeRO-1/2: DeepSpeed's own MoE path. DeepSpeed reduces a parameter marked ``allreduce = False`` over the expert-data-parallel group named
-    by its ``group_name`` (sum / world size, as ``scaletrain.parallel.grads``), broadcasts it from that
-    group's first rank, and ZeRO-1/2 partition an optimizer group with ``moe: True`` over that group
-    only. It switches that path on only when the model holds its ``deepspeed.moe.layer.MoE``; for the
-    duration of the call, ``deepspeed.runtime.engine.MoE`` also recognises our MoE blocks. Our EP / EDP
-    groups are registered under DeepSpeed's name for them (``ep_size_P``); the expert parameters are
-    marked (``build_optimizer`` then names their group and sets ``moe``). DeepSpeed broadcasts experts
-    within their expert-data-parallel group only, where the shapes agree, so owned experts need nothing.
-    """
-    if not ep.active:
-        yield
-        return
-    if zero_stage not in (1, 2):
-        with rank0_layout(model, ep.ctx.ep_size):
-            yield
-        return
-    import deepspeed.runtime.engine as ds_engine
-    from deepspeed.utils import groups
-
-    name = f"ep_size_{ep.ctx.ep_size}"
-    groups._EXPERT_PARALLEL_GROUP[name] = ep.ctx.ep_group
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = ep.ctx.edp_group
-    for p in ep.experts:
-        p.allreduce, p.group_name = False, name
-    original = ds_engine.MoE
-
-    class _Meta(type):
-        def __instancecheck__(cls, obj):
-            return isinstance(obj, original) or _holds_experts(obj)
-
-    ds_engine.MoE = _Meta("MoE", (), {})
-    try:
-        yield
-    finally:
-        ds_engine.MoE = original
-
-
 class DeepSpeedDriver:
     """Drives one DeepSpeed engine: micro-steps, update, grad norm, ZeRO-3 gathers, checkpoints.
 
+    ``parallel``: the engine's ``ParallelContext`` (expert groups; rank 0 writes the files of all).
     ``scheduler``: an LR scheduler DeepSpeed does not own (Accelerate hands DeepSpeed only its own
-    scheduler types); it is stepped here once per update that was not skipped.
+    scheduler types); it is stepped here once per update that was not skipped, and saved beside
+    DeepSpeed's files (``scheduler.pt``).
 
     Expert parallelism (a model built with moe.ep_size > 1; ``ds_config`` says which precisions). ZeRO-0: DeepSpeed
     would average every gradient over the whole world, expert gradients included; its backward
@@ -123,11 +77,12 @@ class DeepSpeedDriver:
     over the EDP group instead of summing them over the EP group).
     """
 
-    def __init__(self, ds_engine, scheduler=None, clip_norm: float = 0.0, cudagraphs: bool = False):
+    def __init__(self, ds_engine, parallel: ParallelContext, scheduler=None, clip_norm: float = 0.0,
+                 cudagraphs: bool = False):
         self.e = ds_engine
         self.cudagraphs = cudagraphs  # engine.compile_mode=reduce-overhead on CUDA (model_prep.uses_cudagraphs)
         self.scheduler = scheduler
-        self.ep = ExpertParallelGrads(ds_engine.module)
+        self.ep = ExpertParallelGrads(ds_engine.module, parallel)
         self.clip_norm = clip_norm
         # ZeRO-0: our reduction (DeepSpeed's off); ZeRO-1/2: DeepSpeed's MoE path (``expert_setup``)
         self.own_ep = self.ep.active and ds_engine.zero_optimization_stage() == 0
@@ -142,7 +97,7 @@ class DeepSpeedDriver:
                                       "engine.ds_config=zero0.json engine.precision=bf16 or fp32")
             if not self.own_ep and not getattr(ds_engine, "has_moe_layers", False):
                 raise ScaletrainError("DeepSpeed did not take the expert parameters (build the engine inside "
-                                      "scaletrain.engine.deepspeed_driver.expert_setup)")
+                                      "scaletrain.engine.experts.expert_setup)")
         if self.own_ep:
             ds_engine.enable_backward_allreduce = False
         # DeepSpeed reports the global grad norm from its fp16/bf16/ZeRO optimizers only; on the plain path
@@ -340,8 +295,23 @@ class DeepSpeedDriver:
         with self._plain_checkpoint():
             self.e.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
         save_expert_shard(Path(ckpt_dir) / tag, self.e.module, self.e.optimizer, self.ep.ctx)
+        if self.scheduler is not None and self.ep.ctx.rank == 0:  # the LR schedule is ours, not DeepSpeed's
+            torch.save(self.scheduler.state_dict(), Path(ckpt_dir) / tag / "scheduler.pt")
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
+        """DeepSpeed's checkpoint, this rank's experts, and (``scheduler`` given) the LR schedule from
+        ``scheduler.pt``."""
+        sched_state = None
+        if self.scheduler is not None:
+            sched = Path(ckpt_dir) / tag / "scheduler.pt"
+            if not sched.is_file():
+                raise ScaletrainError(f"{sched} missing: this checkpoint was not written by the Accelerate DeepSpeed engine")
+            sched_state = safe_torch_load(sched)
+        self._load_engine(ckpt_dir, tag)
+        if sched_state is not None:
+            self.scheduler.load_state_dict(sched_state)
+
+    def _load_engine(self, ckpt_dir: Path, tag: str) -> None:
         # The module's experts come from rank 0's file: this rank's are put back from its expert shard
         # (ZeRO-1/2 restore each rank's fp32 partitions, its experts' Adam state, from its own file).
         # Another ep_size: resharded under ZeRO-0 (ZeRO-1/2 keep parameters in flat partitions: refused).

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel import ParallelDims
 
 
 REPO_DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
@@ -57,7 +58,8 @@ def load_ds_config(cfg, world_size: int) -> dict:
                 f"remove it from the JSON (or set it to \"auto\") and change {ours_key[k].split(' ')[0]} instead"
             )
         ds[k] = v
-    if getattr(cfg.moe, "ep_size", 1) > 1:  # expert parallelism: the driver clips with the EP-aware norm
+    ep = ParallelDims.from_config(cfg, world_size).ep
+    if ep > 1:  # expert parallelism: the driver clips with the EP-aware norm
         ds["gradient_clipping"] = 0.0
     prec = cfg.engine.precision
     for section, want in (("bf16", prec == "bf16"), ("fp16", prec == "fp16")):
@@ -77,7 +79,7 @@ def load_ds_config(cfg, world_size: int) -> dict:
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ScaletrainError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    _check_expert_parallel(cfg, path, stage, prec)
+    _check_expert_parallel(cfg, ep, path, stage, prec)
     offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
     if str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
         # ZeRO-Offload keeps the fp32 master weights and optimizer states on the CPU and runs the update
@@ -163,9 +165,8 @@ def runtime_ds_config(ds: dict) -> dict:
     return out
 
 
-def _check_expert_parallel(cfg, path: Path, stage: int, prec: str) -> None:
-    """One-line errors for moe.ep_size > 1 where this DeepSpeed config cannot train it."""
-    ep = getattr(cfg.moe, "ep_size", 1)
+def _check_expert_parallel(cfg, ep: int, path: Path, stage: int, prec: str) -> None:
+    """One-line errors for moe.ep_size = ``ep`` > 1 where this DeepSpeed config cannot train it."""
     if ep > 1 and (stage == 3 or prec == "fp16"):
         raise ScaletrainError(
             f"moe.ep_size={ep} under DeepSpeed needs ZeRO-0/1/2 in fp32 or bf16 ({path} has stage "

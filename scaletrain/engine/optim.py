@@ -25,14 +25,14 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
     """The optimizer's parameter groups: every trainable parameter in one group, except expert
     parameters (marked ``p.expert = True``, see scaletrain.models.moe), which get a group of their own
     named "experts" (their gradients are reduced over another process group under expert parallelism);
-    under DeepSpeed's MoE path (ZeRO-1/2, ``deepspeed_driver.expert_setup``) the group carries DeepSpeed's
+    under DeepSpeed's MoE path (ZeRO-1/2, ``experts.expert_setup``) the group carries DeepSpeed's
     name for the expert groups and ``moe: True``, so ZeRO partitions it over the expert-data-parallel group."""
     params = [p for p in model.parameters() if p.requires_grad]
     experts = [p for p in params if getattr(p, "expert", False)]
     if not experts:
         return [{"params": params}]
     dense = [p for p in params if not getattr(p, "expert", False)]
-    if getattr(experts[0], "allreduce", True) is False:  # DeepSpeed's MoE path (deepspeed_driver.expert_setup)
+    if getattr(experts[0], "allreduce", True) is False:  # DeepSpeed's MoE path (experts.expert_setup)
         return [{"params": dense, "name": "dense"}, {"params": experts, "name": experts[0].group_name, "moe": True}]
     return [{"params": dense, "name": "dense"}, {"params": experts, "name": "experts"}]
 

@@ -1,12 +1,9 @@
 """``build_model``: validate a ``ModelConfig`` and run the builder registered for its arch."""
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Sequence
 
 from torch import nn
-
-from scaletrain.errors import ScaletrainError
 
 from scaletrain.models import convattn as _convattn  # noqa: F401  (registers msc, msha, moce)
 from scaletrain.models import lobef as _lobef  # noqa: F401  (registers byte_ncf, byte_wsf)
@@ -19,7 +16,8 @@ from scaletrain.parallel import ParallelContext
 
 
 @register_model("transformer")
-def build_transformer(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str]] = None, ffn=None) -> Transformer:
+def build_transformer(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str]] = None, ffn=None,
+                      parallel=None) -> Transformer:
     return Transformer(cfg, vocab_size, embeddings=make_embeddings(cfg, vocab_size, pieces), ffn=ffn)
 
 
@@ -33,19 +31,16 @@ def build_model(cfg: ModelConfig, vocab_size: int, pieces: Optional[Sequence[str
     so models built with different configs do not affect each other.
 
     ``moe``: the run's ``moe`` section (sparse MoE feed-forward layers, ``scaletrain.models.moe``;
-    None or ``num_experts: 0`` = the dense model); ``parallel``: this rank's ``ParallelContext``
-    (which experts it holds; None = a single process holding every expert). MoCE's conv experts are
-    partitioned only with ``moe.moce_partition`` (``scaletrain.models.moce_ep``)."""
+    None or ``num_experts: 0`` = the dense model); ``parallel``: this rank's ``ParallelContext``, the
+    engine's ``Engine.parallel`` (which experts it holds: the expert-parallel size comes from it
+    alone; None = a single process holding every expert). MoCE's conv experts are partitioned only
+    with ``moe.moce_partition`` (``scaletrain.models.moce_ep``)."""
     build = builder(cfg.arch)
     cfg.validate(vocab_size)
-    if moe is not None and parallel is not None and parallel.ep_size != moe.ep_size:
-        raise ScaletrainError(f"moe.ep_size={moe.ep_size} but the parallel context has ep_size {parallel.ep_size}")
     if moe is not None:
         moe.validate(cfg)
-    # builders with experts of their own (MoCE) take the parallel context when they are to be partitioned
-    extra = {}
-    if moe is not None and moe.moce_partition and "parallel" in inspect.signature(build).parameters:
-        extra["parallel"] = parallel
+    # every builder takes ``parallel``; those with experts of their own (MoCE) partition them with it
+    own = parallel if moe is not None and moe.moce_partition else None
     if moe is None or not moe.enabled():
-        return build(cfg, vocab_size, pieces, **extra)
-    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel), **extra)
+        return build(cfg, vocab_size, pieces, parallel=own)
+    return build(cfg, vocab_size, pieces, ffn=moe_ffn_factory(cfg, moe, parallel), parallel=own)

@@ -370,12 +370,12 @@ def _build(cfg: ModelConfig, vocab_size: int, pieces, make_attn, ffn=None) -> Tr
 
 
 @register_model("msc")
-def build_msc(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+def build_msc(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None, parallel=None) -> Transformer:
     return _build(cfg, vocab_size, pieces, lambda: MSCAttention(cfg), ffn)
 
 
 @register_model("msha")
-def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+def build_msha(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None, parallel=None) -> Transformer:
     return _build(cfg, vocab_size, pieces, lambda: MSHAAttention(cfg), ffn)
 
 

@@ -105,12 +105,12 @@ class ByteWSFFrontEnd(nn.Module):
 
 
 @register_model("byte_ncf")
-def build_byte_ncf(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+def build_byte_ncf(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None, parallel=None) -> Transformer:
     embeddings = make_embeddings(cfg, vocab_size, pieces)
     return Transformer(cfg, vocab_size, embeddings=embeddings, frontend=ByteNCFFrontEnd(cfg), ffn=ffn)
 
 
 @register_model("byte_wsf")
-def build_byte_wsf(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None) -> Transformer:
+def build_byte_wsf(cfg: ModelConfig, vocab_size: int, pieces=None, ffn=None, parallel=None) -> Transformer:
     embeddings = make_embeddings(cfg, vocab_size, pieces)
     return Transformer(cfg, vocab_size, embeddings=embeddings, frontend=ByteWSFFrontEnd(cfg), ffn=ffn)

@@ -10,7 +10,9 @@ from scaletrain.models.config import ModelConfig
 
 # (config, vocabulary size, the surface string of every id or None) -> model; the config is
 # validated before the builder runs (ModelConfig.validate); builders also take ``ffn=`` (the
-# feed-forward factory of ``Transformer``, given only when MoE layers are on)
+# feed-forward factory of ``Transformer``, given only when MoE layers are on) and ``parallel=`` (the
+# engine's ParallelContext when experts of the architecture's own are to be partitioned,
+# ``moe.moce_partition``; None otherwise; architectures without such experts ignore it)
 Builder = Callable[[ModelConfig, int, Optional[Sequence[str]]], nn.Module]
 _REGISTRY: dict[str, Builder] = {}
 

@@ -1,14 +1,27 @@
-"""``ParallelContext``: which ranks share experts, built once from ``moe.ep_size`` and the world size.
+"""``ParallelContext``: the run's parallel layout and process groups, built once by the engine.
 
-Layout (as Megatron-Core and DeepSpeed lay out expert groups): the world of W ranks is cut into
-W / P expert-parallel (EP) groups of P consecutive ranks (consecutive ranks usually share a node, and
-the all-to-all is the heavy collective). The experts of each routed layer are partitioned over the P
-ranks of an EP group: EP rank i holds experts [i * E/P, (i + 1) * E/P). The ranks holding the same
-experts (equal EP rank, one per EP group) form an expert-data-parallel (EDP) group of W / P ranks;
-expert gradients are reduced over it only, every other gradient over the whole world.
+The engine makes it in its constructor, right after the default process group
+(:meth:`ParallelDims.from_config` is the one place that reads ``moe.ep_size`` from a config), exposes it
+as ``Engine.parallel`` and hands it to whoever needs a group: the model builder (which experts a rank
+holds), the gradient reduction (``grads.py``), the engine's expert set-up, checkpoints of expert shards
+and lock-step decoding. Nothing searches a model for it. As torchtitan's ``ParallelDims``: the sizes
+of every dimension (:class:`ParallelDims`, validated against the world size, no process group) are
+kept apart from the groups (:meth:`ParallelDims.build`, collective); a new dimension (tensor or
+pipeline parallel) is a size there and a group here.
+
+Dimensions today (W ranks):
+
+* data parallel (DP): every rank; each rank reads its own batches, and replicated (dense)
+  gradients are averaged over all W ranks.
+* expert parallel (EP), size P = ``moe.ep_size``: as Megatron-Core and DeepSpeed lay out expert
+  groups, the world is cut into W / P groups of P consecutive ranks (consecutive ranks usually share
+  a node, and the all-to-all is the heavy collective). The experts of each routed layer are
+  partitioned over the P ranks of an EP group: EP rank i holds experts [i * E/P, (i + 1) * E/P).
+* expert data parallel (EDP): the ranks holding the same experts (equal EP rank, one per EP group),
+  W / P of them; expert gradients are reduced over it only.
 
 The groups are made with ``torch.distributed.new_group``, which every rank must call for every group
-in the same order: ``build_parallel_context`` does that, so call it on every rank, once.
+in the same order: :meth:`ParallelDims.build` does that, so call it on every rank, once.
 """
 from __future__ import annotations
 
@@ -28,16 +41,57 @@ def ep_size_problem(ep_size: int, world_size: int) -> Optional[str]:
 
 
 @dataclass(frozen=True)
+class ParallelDims:
+    """The size of every parallel dimension of a run, without process groups (cheap, picklable).
+
+    ``world_size``: W ranks, all data parallel. ``ep``: expert-parallel size P (``moe.ep_size``).
+    The expert-data-parallel size is W / P. :meth:`problem` says why the sizes do not fit."""
+
+    world_size: int = 1
+    ep: int = 1
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> "ParallelDims":
+        """The layout a run's config asks for on ``world_size`` ranks: the one place ``moe.ep_size``
+        is read from a config (engines, and the DeepSpeed config checks of ``preflight``)."""
+        return cls(world_size=world_size, ep=int(cfg.moe.ep_size))
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // self.ep
+
+    def problem(self) -> Optional[str]:
+        """Why these sizes cannot be used (one line), or None."""
+        return ep_size_problem(self.ep, self.world_size)
+
+    def build(self, rank: Optional[int] = None) -> "ParallelContext":
+        """This rank's :class:`ParallelContext`; creates the process groups (collective: every rank
+        calls it once, in the same order). ``rank`` defaults to the default process group's (0
+        without one). Raises ScaletrainError (one line) when the sizes do not fit (:meth:`problem`)."""
+        return _build_groups(self, rank)
+
+
+@dataclass(frozen=True)
 class ParallelContext:
-    """Ranks and process groups for expert parallelism. ``ep_group`` / ``edp_group`` are
-    ``torch.distributed`` process groups, or None where the group is this process alone (EP) or the
-    whole world (EDP when ep_size == 1, i.e. ordinary data parallel)."""
+    """This rank's place in every parallel dimension and the process group of each. A group is a
+    ``torch.distributed`` process group, or None where it is this process alone (EP at ep_size 1)
+    or the whole world (the default group). Frozen and shared: a deep copy of a model that holds it
+    keeps the same groups."""
 
     world_size: int = 1
     rank: int = 0
+    # data parallel: every rank (the default process group, hence None); dense gradients are averaged
+    # over it, each rank reads its own share of the batches
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: Any = None
+    # expert parallel: P consecutive ranks that split each routed layer's experts and exchange tokens
+    # with all-to-alls (None at ep_size 1: no exchange)
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: Any = None
+    # expert data parallel: the W / P ranks holding the same experts (equal ep_rank); expert gradients
+    # are reduced over it (None at ep_size 1: the whole world, as data parallel)
     edp_size: int = 1
     edp_rank: int = 0
     edp_group: Any = None
@@ -79,18 +133,24 @@ def balanced_owners(sizes, ep_size: int) -> list[int]:
 
 
 def build_parallel_context(ep_size: int, world_size: Optional[int] = None, rank: Optional[int] = None) -> ParallelContext:
-    """The context of this rank for ``moe.ep_size = ep_size``; creates the process groups.
+    """The context of this rank for an expert-parallel size ``ep_size`` (``ParallelDims(world_size,
+    ep_size).build(rank)``); creates the process groups. ``world_size``/``rank`` default to the
+    initialised default process group (1 / 0 without one)."""
+    import torch.distributed as dist
 
-    ``world_size``/``rank`` default to the initialised default process group (1 / 0 without one).
-    Raises ScaletrainError (one line) when ep_size does not divide the world size."""
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return ParallelDims(world_size=world_size, ep=ep_size).build(rank)
+
+
+def _build_groups(dims: ParallelDims, rank: Optional[int]) -> ParallelContext:
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
-    if world_size is None:
-        world_size = dist.get_world_size() if initialised else 1
+    world_size, ep_size = dims.world_size, dims.ep
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    if problem := ep_size_problem(ep_size, world_size):
+    if problem := dims.problem():
         raise ScaletrainError(problem)
     if world_size == 1:
         return ParallelContext.single()
@@ -107,15 +167,7 @@ def build_parallel_context(ep_size: int, world_size: Optional[int] = None, rank:
             grp = dist.new_group(list(range(i, world_size, ep_size)))
             if i == ep_rank:
                 edp_group = grp
-    return ParallelContext(world_size=world_size, rank=rank, ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group,
+    return ParallelContext(world_size=world_size, rank=rank, dp_size=world_size, dp_rank=rank, dp_group=None,
+                           ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group,
                            edp_size=world_size // ep_size, edp_rank=ep_index, edp_group=edp_group)
 
-
-def model_parallel_context(model: Any) -> ParallelContext:
-    """The expert-parallel context a model was built with (the ``parallel`` attribute of its MoE
-    layers); the trivial one for a model without expert layers. Engines read it in ``setup``."""
-    for mod in model.modules():
-        ctx = getattr(mod, "parallel", None)
-        if isinstance(ctx, ParallelContext):
-            return ctx
-    return ParallelContext.single()

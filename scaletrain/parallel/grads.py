@@ -102,18 +102,16 @@ def clip_grad_norm(dense_params: list[torch.Tensor], expert_params: list[torch.T
 
 
 class ExpertParallelGrads:
-    """What an engine does with gradients under expert parallelism, for a model built with a
-    ``ParallelContext`` of ep_size > 1 (``active``): the engine's own all-reduce must skip the expert
-    parameters (DDP: ignored parameters; DeepSpeed ZeRO-0: its backward all-reduce switched off), and
+    """What an engine does with gradients under expert parallelism, for a model built with the
+    ``ParallelContext`` ``ctx`` (the engine's ``Engine.parallel``), ``active`` at ep_size > 1: the
+    engine's own all-reduce must skip the expert parameters (DDP: ignored parameters; DeepSpeed ZeRO-0: its backward all-reduce switched off), and
     at the accumulation boundary ``reduce`` sums expert gradients over the EDP group / W (and, where
     the engine reduces nothing itself, averages the dense ones over the world); ``clip`` clips with
     the norm that counts each expert once. ``snapshot`` / ``restore`` keep this rank's experts through
     an engine's start-up broadcast of rank 0's parameters."""
 
-    def __init__(self, model: torch.nn.Module):
-        from scaletrain.parallel.context import model_parallel_context
-
-        self.ctx = model_parallel_context(model)
+    def __init__(self, model: torch.nn.Module, ctx: ParallelContext):
+        self.ctx = ctx
         self.dense, self.experts = split_expert_params(model)
         self.expert_names = [n for n, p in model.named_parameters() if getattr(p, "expert", False)]
 

@@ -105,7 +105,7 @@ def rank0_layout(model: nn.Module, ep_size: int):
     0's parameters or loads rank 0's module file; each rank's own tensors come back on exit (their
     values: this rank's own, re-read from its expert shard by ``expert_checkpoint_load``). Not for
     DeepSpeed's ZeRO-1/2 MoE path, which flattens the parameters it is given
-    (``scaletrain.engine.deepspeed_driver.expert_setup``)."""
+    (``scaletrain.engine.experts.expert_setup``)."""
     owned = owned_params(model)
     return placeholders(owned, {n: _shape_at_rank0(n, p, {}, ep_size) for n, p in owned.items()})
 

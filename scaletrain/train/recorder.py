@@ -187,8 +187,8 @@ def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
         "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
     }
     if cfg.moe.enabled():
-        tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.ep_size": cfg.moe.ep_size,
-                     "moe.every": cfg.moe.every, "moe.capacity_factor": cfg.moe.capacity_factor})
+        tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k,
+                     "moe.ep_size": engine.parallel.ep_size, "moe.every": cfg.moe.every, "moe.capacity_factor": cfg.moe.capacity_factor})
     if m.arch == "moce":
         tags["moce.delta"] = len(m.conv.kernels) - 1  # experts = kernels {0, 1, 3, ..., 2Δ-1}, E = Δ + 1
         tags["moce.lid"] = m.moce.lid

@@ -80,7 +80,7 @@ class Trainer:
                                       vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()
-        self.param_counts = count_parameters(model, cfg.moe.ep_size)  # the whole model, every expert
+        self.param_counts = count_parameters(model, eng.parallel.ep_size)  # the whole model, every expert
         eng.setup(model)
         apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
         self.stream = stream if stream is not None else ShardLoader.for_run(
@@ -122,9 +122,8 @@ class Trainer:
 
     def build_model(self, expert_parallel: bool = True) -> torch.nn.Module:
         """The model; ``expert_parallel=False``: every expert in this process (decoding copies)."""
-        moe = self.cfg.moe
-        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=moe,
-                           parallel=self.engine.parallel_context(moe.ep_size) if expert_parallel else None)
+        return build_model(self.cfg.model, self.vocab.size, pieces=self.vocab.pieces(), moe=self.cfg.moe,
+                           parallel=self.engine.parallel if expert_parallel else None)
 
     # ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:

@@ -57,7 +57,7 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
     loss_sum, _, ntok = trainer.unit.loss(batch)
     total = eng.all_reduce_sum([float(ntok)])[0]
     eng.backward(loss_sum * world / total)  # the engines average over the world
-    ep = ExpertParallelGrads(eng.module)
+    ep = ExpertParallelGrads(eng.module, eng.parallel)
     if ep.active:
         ep.reduce(dense=cfg.engine.backend == "deepspeed")  # DDP already averaged the dense gradients
     grads = _gathered_expert_grads(eng.module, ep.ctx)

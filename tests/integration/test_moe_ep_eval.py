@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent('''
     eng = build_engine(cfg)
     vocab = ByteVocab(load_manifest(cfg.data.shards).languages)
     torch.manual_seed(0)
-    eng.setup(build_model(cfg.model, vocab.size, moe=cfg.moe, parallel=eng.parallel_context(cfg.moe.ep_size)))
+    eng.setup(build_model(cfg.model, vocab.size, moe=cfg.moe, parallel=eng.parallel))
     torch.manual_seed(0)
     single = build_model(cfg.model, vocab.size, moe=cfg.moe).eval()  # every expert, one process, same seed
     # raw bytes (no stop at invalid UTF-8): an untrained model then gives many different hypotheses to compare

@@ -116,3 +116,47 @@ def test_no_private_name_is_imported_from_another_package():
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
                     found.append(f"{p.relative_to(ROOT)}:{node.lineno} imports {alias.name} from {source}")
     assert not found, "private names imported across packages (make them public or move the code):\n" + "\n".join(found)
+
+
+PROCESS_GROUP_MAKERS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "init_process_group",
+                        "init_distributed", "DeviceMesh", "init_device_mesh"}
+
+
+def _is_moe_section(node: ast.AST) -> bool:
+    """``moe`` or ``<anything>.moe``: the run config's MoE section."""
+    return (isinstance(node, ast.Name) and node.id == "moe") or (isinstance(node, ast.Attribute) and node.attr == "moe")
+
+
+def _config_ep_size_reads(tree: ast.AST) -> list[int]:
+    """Lines reading the configured expert-parallel size: ``moe.ep_size``, ``cfg.moe.ep_size``,
+    ``getattr(cfg.moe, "ep_size", ...)`` (a parallel context's ``ctx.ep_size`` is not the config's)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "ep_size" and _is_moe_section(node.value):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "ep_size"
+              and _is_moe_section(node.args[0])):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_engine_and_parallel_make_process_groups_or_read_the_ep_size():
+    """One parallel object: the engine builds it (``scaletrain.parallel``) from ``moe.ep_size``, read in
+    exactly one place, and hands it down; no other module makes process groups or reads the size."""
+    outside, reads = [], []
+    for p in _sources():
+        tree = ast.parse(p.read_text(), str(p))
+        home = (PKG / "engine") in p.parents or (PKG / "parallel") in p.parents
+        reads += [f"{p.relative_to(ROOT)}:{n}" for n in _config_ep_size_reads(tree)]
+        if home:
+            continue
+        outside += [f"{p.relative_to(ROOT)}:{n} reads the config's ep_size" for n in _config_ep_size_reads(tree)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name in PROCESS_GROUP_MAKERS:
+                    outside.append(f"{p.relative_to(ROOT)}:{node.lineno} makes a process group ({name})")
+    assert not outside, "outside scaletrain/engine/ and scaletrain/parallel/:\n" + "\n".join(outside)
+    assert len(reads) == 1, f"moe.ep_size is read from the config in {len(reads)} places, not one: {reads}"

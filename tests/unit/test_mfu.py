@@ -65,12 +65,13 @@ def test_deepspeed_loss_scale_reads_the_optimizers_current_scale():
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
 
     from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
+    from scaletrain.parallel import ParallelContext
 
     def driver(fp16, optimizer):
         e = SimpleNamespace(fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: False,
                             zero_optimization=lambda: True, zero_optimization_stage=lambda: 1,
                             optimizer=optimizer, module=torch.nn.Linear(2, 2))
-        return DeepSpeedDriver(e)
+        return DeepSpeedDriver(e, ParallelContext.single())
 
     scaler = LossScaleConfig(torch.float16, dynamic_loss_scale=True, static_loss_scale=1.0, dynamic_loss_args=None,
                              initial_dynamic_scale=2.0**12)
@@ -80,11 +81,11 @@ def test_deepspeed_loss_scale_reads_the_optimizers_current_scale():
 
 
 def test_accelerate_loss_scale_is_the_grad_scalers():
-    from scaletrain.engine.accelerate_engine import AccelerateEngine
+    from scaletrain.engine.ddp_driver import DDPDriver
 
-    eng = AccelerateEngine.__new__(AccelerateEngine)
-    eng._ds = None
-    eng.acc = SimpleNamespace(scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    assert eng.loss_scale() == 1024.0
-    eng.acc = SimpleNamespace(scaler=None)
-    assert eng.loss_scale() is None
+    def driver(scaler):
+        return DDPDriver(SimpleNamespace(scaler=scaler), None, None, None, None, clip_norm=0.0, grad_accum=1,
+                         fp16_min_loss_scale=1.0)
+
+    assert driver(torch.amp.GradScaler("cpu", init_scale=1024.0)).loss_scale() == 1024.0
+    assert driver(None).loss_scale() is None

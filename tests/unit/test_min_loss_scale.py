@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scaletrain.engine.accelerate_engine import AccelerateEngine
+from scaletrain.engine.ddp_driver import DDPDriver
 from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
 from scaletrain.errors import ScaletrainError
+from scaletrain.parallel import ParallelContext
 
 LINE = r"fp16 loss scale reached its minimum \(1\): the gradients overflow at every scale"
 
@@ -36,21 +37,19 @@ class FakeDS:
 
 def test_deepspeed_minimum_scale_is_one_line():
     with pytest.raises(ScaletrainError, match=LINE):
-        DeepSpeedDriver(FakeDS()).step()
+        DeepSpeedDriver(FakeDS(), ParallelContext.single()).step()
 
 
-def _accelerate_engine(scale: float, skipped: bool) -> AccelerateEngine:
-    eng = object.__new__(AccelerateEngine)  # the step logic only, without a launcher and process group
+def _accelerate_engine(scale: float, skipped: bool) -> DDPDriver:
+    """The step logic of the Accelerate DDP engine (its driver), without a launcher and process group."""
     model = torch.nn.Linear(2, 2)
-    eng.cfg = SimpleNamespace(optim=SimpleNamespace(clip_norm=1.0), engine=SimpleNamespace(fp16_min_loss_scale=1.0))
-    eng._ds, eng.model = None, model
-    eng.ep = SimpleNamespace(active=False)  # no expert parallelism
-    eng.acc = SimpleNamespace(sync_gradients=True, clip_grad_norm_=lambda params, clip: torch.tensor(float("inf")),
-                              scaler=SimpleNamespace(get_scale=lambda: scale))
-    eng.optimizer = SimpleNamespace(step=lambda: None, step_was_skipped=skipped, zero_grad=lambda set_to_none: None,
-                                    param_groups=[{"lr": 0.1}])
-    eng.scheduler = SimpleNamespace(step=lambda: None)
-    return eng
+    ep = SimpleNamespace(active=False)  # no expert parallelism
+    acc = SimpleNamespace(sync_gradients=True, clip_grad_norm_=lambda params, clip: torch.tensor(float("inf")),
+                          scaler=SimpleNamespace(get_scale=lambda: scale))
+    optimizer = SimpleNamespace(step=lambda: None, step_was_skipped=skipped, zero_grad=lambda set_to_none: None,
+                                param_groups=[{"lr": 0.1}])
+    scheduler = SimpleNamespace(step=lambda: None)
+    return DDPDriver(acc, model, optimizer, scheduler, ep, clip_norm=1.0, grad_accum=1, fp16_min_loss_scale=1.0)
 
 
 def test_accelerate_minimum_scale_is_the_same_line():
