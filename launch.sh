@@ -80,7 +80,7 @@ while IFS='=' read -r key value; do plan["$key"]="$value"; done <<<"$plan_out"
 export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]}}"
 if [[ $dry_run == 1 ]]; then
   echo "== dry run: recipe $recipe, $nproc process(es) per node x $num_nodes node(s) with $engine, GPUs seen $gpus,"
-  echo "   precision $SCALETRAIN_AUTO_PRECISION, shards ${plan[shards]}$([[ "${plan[prepare]}" == 1 ]] && echo " (to build: scaletrain prepare ${plan[prepare_args]})"), out $out"
+  echo "   precision $SCALETRAIN_AUTO_PRECISION, shards ${plan[shards]}$([[ "${plan[prepare]}" == 1 ]] && echo " (to build: scaletrain prepare --out ${plan[shards]}${plan[prepare_args]:+ ${plan[prepare_args]}})"), out $out"
   exit 0
 fi
 # Quiet start: DeepSpeed need not probe for an accelerator (its "Setting accelerator to CPU" warning) on a
@@ -94,7 +94,7 @@ store_pid=$!
 shards="${plan[shards]}"
 if [[ "${plan[prepare]}" == 1 ]]; then
   read -r -a prepare_args <<<"${plan[prepare_args]}"
-  echo "== preparing the corpus into $shards: scaletrain prepare ${plan[prepare_args]}"
+  echo "== preparing the corpus: scaletrain prepare --out $shards${plan[prepare_args]:+ ${plan[prepare_args]}}"
   scaletrain prepare --out "$shards" --overwrite "${prepare_args[@]}"
 fi
 echo "== training $recipe on $nproc process(es) per node with $engine -> $out"

@@ -134,5 +134,5 @@ def test_launch_sh_default_job_is_sized_for_the_machine(tmp_path):
     text = gpu.stdout.decode()
     assert gpu.returncode == 0, text
     assert "recipe catalogs_gpu, 2 process(es) per node" in text and "GPUs seen 2" in text
-    assert "shards shards/catalogs (to build: scaletrain prepare --catalogs system,packages" in text
+    assert "shards shards/catalogs (to build: scaletrain prepare --out shards/catalogs --catalogs system,packages" in text
     assert not (tmp_path / "shards").exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
