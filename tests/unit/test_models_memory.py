@@ -42,7 +42,8 @@ def saved_bytes(model, B: int, S: int, T: int, precision: str) -> int:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_estimate_covers_what_the_backward_keeps(recipe, d, precision):
     """Per padded token (the slope between batches of 2 and 4 rows), for a balanced and two lopsided
-    source/target splits: the estimate is at least the measurement and at most 1.3x it (measured 1.01-1.16x)."""
+    source/target splits: the estimate is at least the measurement and at most 1.3x it (measured 1.09-1.25x
+    with the 8% margin; one CPU kept 1.04x the unmargined count for embeddingless bf16)."""
     cfg = load_config(recipe, [f"model.d_model={d}", "model.ffn_dim=512"] + SMALL)
     torch.manual_seed(0)
     model = build_model(cfg.model, V, moe=cfg.moe).train()
