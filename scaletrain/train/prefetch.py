@@ -107,6 +107,14 @@ class Prefetcher:
         got.micro = self.copy.ready(got.micro)
         return got
 
+    def close(self) -> None:
+        """Stop reading: the stream's iterator is closed, so DataLoader workers exit now, not whenever the
+        iterator is garbage-collected (a job that failed mid-fit kept them until then)."""
+        self._next = None
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
+
     def resume_position(self):
         """The stream position a checkpoint stores: before the first batches no update has used."""
         return self._next.position if self._next is not None else self.stream.state_dict()

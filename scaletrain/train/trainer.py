@@ -288,6 +288,8 @@ class Trainer:
     def close(self, status: str = "FINISHED") -> None:
         self.logger.progress.close()
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
+            if self.prefetcher is not None:
+                self.prefetcher.close()  # the data loader's workers
             self.recorder.close("KILLED" if self.preempted and status == "FINISHED" else status)
         finally:
             self.preemption.uninstall()

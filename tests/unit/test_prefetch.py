@@ -68,3 +68,24 @@ def test_host_copy_and_tensor_mapping_cover_every_batch_tensor():
     assert len(seen) == 5 and mapped.n_tgt_tokens == 8 and torch.equal(mapped.tgt_lang, lang + 1)  # the languages too
     (moved,) = HostCopy(torch.device("cpu")).start([b])
     assert torch.equal(moved.src, b.src) and moved.n_src_tokens == 6
+
+
+def test_close_stops_the_data_loader_workers_at_once(django_shards):
+    """A job that ends (or fails mid-fit) closes the stream's iterator: the DataLoader workers exit at
+    ``close()``, not when the iterator is garbage-collected (which took 10 s per test module at teardown)."""
+    import multiprocessing
+
+    from scaletrain.data.loader import ShardLoader
+    from scaletrain.data.shards import load_manifest
+    from scaletrain.data.spm_models import load_shard_vocab
+
+    vocab = load_shard_vocab(load_manifest(django_shards).languages, "byte", django_shards)
+    stream = ShardLoader(django_shards, "train", num_workers=1, vocab=vocab, max_tokens=600, max_bytes=40)
+    pf = Prefetcher(stream, iter(stream), 2, torch.device("cpu"))
+    pf.fetch()
+    pf.take()
+    pf.fetch()
+    assert multiprocessing.active_children()  # the worker is running
+    pf.close()
+    assert multiprocessing.active_children() == []
+    assert pf.resume_position() == stream.state_dict()  # nothing read ahead is kept
