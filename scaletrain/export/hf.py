@@ -129,26 +129,25 @@ def marian_state_dict(sd: dict[str, torch.Tensor], model_cfg, dtype: torch.dtype
 
     take("embeddings.weight", "model.shared.weight")
     attn = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+    def layer(a: str, b: str, norms: tuple[tuple[str, str], ...], cross: bool) -> None:
+        """One encoder (``cross=False``) or decoder layer: attention, feed-forward, then its LayerNorms."""
+        for p in ("weight", "bias"):
+            for n in attn:
+                take(f"{a}.self_attn.{n}.{p}", f"{b}.self_attn.{n}.{p}")
+                if cross:
+                    take(f"{a}.cross_attn.{n}.{p}", f"{b}.encoder_attn.{n}.{p}")
+            take(f"{a}.ffn.fc1.{p}", f"{b}.fc1.{p}")
+            take(f"{a}.ffn.fc2.{p}", f"{b}.fc2.{p}")
+            for ours, theirs in norms:
+                take(f"{a}.{ours}.norm.{p}", f"{b}.{theirs}.{p}")
+
     for i in range(model_cfg.encoder_layers):
-        a, b = f"encoder_layers.{i}", f"model.encoder.layers.{i}"
-        for p in ("weight", "bias"):
-            for n in attn:
-                take(f"{a}.self_attn.{n}.{p}", f"{b}.self_attn.{n}.{p}")
-            take(f"{a}.ffn.fc1.{p}", f"{b}.fc1.{p}")
-            take(f"{a}.ffn.fc2.{p}", f"{b}.fc2.{p}")
-            take(f"{a}.attn_res.norm.{p}", f"{b}.self_attn_layer_norm.{p}")
-            take(f"{a}.ffn_res.norm.{p}", f"{b}.final_layer_norm.{p}")
+        layer(f"encoder_layers.{i}", f"model.encoder.layers.{i}",
+              (("attn_res", "self_attn_layer_norm"), ("ffn_res", "final_layer_norm")), cross=False)
     for i in range(model_cfg.decoder_layers):
-        a, b = f"decoder_layers.{i}", f"model.decoder.layers.{i}"
-        for p in ("weight", "bias"):
-            for n in attn:
-                take(f"{a}.self_attn.{n}.{p}", f"{b}.self_attn.{n}.{p}")
-                take(f"{a}.cross_attn.{n}.{p}", f"{b}.encoder_attn.{n}.{p}")
-            take(f"{a}.ffn.fc1.{p}", f"{b}.fc1.{p}")
-            take(f"{a}.ffn.fc2.{p}", f"{b}.fc2.{p}")
-            take(f"{a}.self_res.norm.{p}", f"{b}.self_attn_layer_norm.{p}")
-            take(f"{a}.cross_res.norm.{p}", f"{b}.encoder_attn_layer_norm.{p}")
-            take(f"{a}.ffn_res.norm.{p}", f"{b}.final_layer_norm.{p}")
+        layer(f"decoder_layers.{i}", f"model.decoder.layers.{i}", (("self_res", "self_attn_layer_norm"),
+              ("cross_res", "encoder_attn_layer_norm"), ("ffn_res", "final_layer_norm")), cross=True)
     left = sorted(k for k in sd if k not in used and not k.endswith("_float_tensor"))
     if left:
         raise ScaletrainError(f"checkpoint weights with no Marian counterpart: {', '.join(left[:5])}")
