@@ -69,11 +69,10 @@ class OomPolicy:
     def updating(self, engine, micro: list):
         """Around the optimizer step after ``micro``: out of memory there (Adam's moments are allocated at
         the first update) stops whatever ``train.on_oom`` says."""
-        tokens = sum(b.n_tgt_tokens for b in micro)
         return oom_guard(
             "the optimizer step (the update after the step's micro-batches)",
-            f"after {len(micro)} micro-batch(es) of {tokens} target tokens on this rank (data.max_tokens="
-            f"{self.max_tokens})",
+            lambda: (f"after {len(micro)} micro-batch(es) of {sum(b.n_tgt_tokens for b in micro)} target tokens on "
+                     f"this rank (data.max_tokens={self.max_tokens})"),
             "the parameters, gradients and optimizer state do not fit beside what the step left: shard them "
             "(engine.ds_config=zero1.json, zero2.json, zero3.json), offload the optimizer state "
             "(zero3_offload_optimizer.json), or lower data.max_tokens; train.on_oom=skip cannot skip an update "
