@@ -16,7 +16,7 @@ import sys
 
 from scaletrain import __version__
 from scaletrain.errors import ScaletrainError
-from scaletrain.oom import OOM_EXIT, OutOfMemory, is_oom, memory_summary
+from scaletrain.oom import OOM_EXIT, as_oom, is_oom
 
 
 def _strip_launcher_args(argv: list[str]) -> list[str]:
@@ -108,17 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - out of memory where no stage caught it is one line too
         if args.debug or not is_oom(e):
             raise
-        print(f"scaletrain: error: {_unguarded_oom(args.command, e)}", file=sys.stderr)
+        # no stage named it (loading a model, moving a batch): the command, the error's first sentence, the memory
+        line = as_oom(e, f"scaletrain {args.command}", "use a smaller batch setting of the command or a device with "
+                      "more memory (--debug shows where it ran out)")
+        print(f"scaletrain: error: {line}", file=sys.stderr)
         return OOM_EXIT
-
-
-def _unguarded_oom(command: str, e: BaseException) -> OutOfMemory:
-    """An out-of-memory error no stage named (loading a model, moving a batch): the command, the error's first
-    line and the memory numbers."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
-    return OutOfMemory(f"scaletrain {command}", f"{type(e).__name__}: {first}",
-                       "use a smaller batch setting of the command or a device with more memory "
-                       "(--debug shows where it ran out)", memory_summary())
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ OOM_EXIT = 71
 _RUNTIME_MARKERS = ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed",
                     "failed to allocate")
 
-__all__ = ["OOM_EXIT", "OutOfMemory", "is_oom", "memory_summary", "oom_guard"]
+__all__ = ["OOM_EXIT", "OutOfMemory", "as_oom", "free_cached_memory", "is_oom", "memory_summary", "oom_guard"]
 
 
 class OutOfMemory(ScaletrainError):
@@ -115,6 +115,15 @@ def free_cached_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def as_oom(e: BaseException, stage: str, fix: str = "", device=None) -> OutOfMemory:
+    """``e`` (an allocation failure, :func:`is_oom`) as the line of ``stage``: an :class:`OutOfMemory` is
+    returned as it is; any other names its type and its message's first sentence."""
+    if isinstance(e, OutOfMemory):
+        return e
+    first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160]
+    return OutOfMemory(stage, f"{type(e).__name__}: {first}" if first else type(e).__name__, fix, memory_summary(device))
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from scaletrain.engine.env import Peers
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
-from scaletrain.oom import OutOfMemory
+from scaletrain.oom import as_oom, is_oom
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.nonfinite import NonfiniteGuard
@@ -131,11 +131,14 @@ class Trainer:
     def fit(self) -> TrainResult:
         try:
             return self._fit()
-        except OutOfMemory as e:  # any stage's line ends with the checkpoint a re-run resumes from
-            e.after = e.after or self._resume_note()
-            raise
-        except Exception as e:  # a collective failed because a peer died or hung: one line naming it
-            err = self.peers.explain(e)
+        except Exception as e:
+            if is_oom(e):  # one line (its stage's, else the step's) ending with the checkpoint a re-run resumes from
+                line = as_oom(e, f"training step {self.state.step + 1}", "lower data.max_tokens", self.engine.device)
+                line.after = line.after or self._resume_note()
+                if line is e:
+                    raise
+                raise line from e
+            err = self.peers.explain(e)  # a collective failed because a peer died or hung: one line naming it
             if err is None:
                 raise
             raise err from None

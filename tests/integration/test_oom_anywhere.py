@@ -203,6 +203,27 @@ def test_checkpoint_write_removes_the_partial_and_keeps_latest(django_shards, tm
     assert files(ck) == seen["files"] and (ck / "latest").read_text().strip() == "step-0000001"
 
 
+def test_an_oom_no_stage_names_in_training_names_the_step_and_the_checkpoint(django_shards, tmp_path, monkeypatch,
+                                                                             capsys):
+    from scaletrain.train.prefetch import Prefetcher
+
+    real, seen = Prefetcher.take, {"n": 0}
+
+    def take(self):  # the step's batches moving to the device
+        seen["n"] += 1
+        if seen["n"] == 3:
+            seen["files"] = files(tmp_path / "checkpoints")
+            raise torch.OutOfMemoryError(OOM + "\nOf the allocated memory 77.1 GiB is allocated by PyTorch")
+        return real(self)
+
+    monkeypatch.setattr(Prefetcher, "take", take)
+    line = one_line(capsys, train(django_shards, tmp_path, "train.max_steps=4"))
+    ck = tmp_path / "checkpoints"
+    assert line.startswith("scaletrain: error: out of memory in training step 3, OutOfMemoryError: CUDA out of memory: "
+                           f"lower data.max_tokens; the last checkpoint, {ck / 'step-0000002'}, is intact"), line
+    assert files(ck) == seen["files"]
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(django_shards, tmp_path_factory):
     """A run directory with the checkpoint of one update of the tiny model (trained in this process)."""

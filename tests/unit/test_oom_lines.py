@@ -46,6 +46,17 @@ def test_memory_numbers_on_the_cpu_are_the_process_and_the_machine():
     assert memory_summary().startswith("host: this process holds")  # CUDA not in use: the host's numbers
 
 
+def test_memory_numbers_on_cuda_are_torchs_and_the_devices(monkeypatch):
+    gib = 2**30
+    for name, value in (("is_available", True), ("is_initialized", True), ("current_device", 1),
+                        ("mem_get_info", (0.5 * gib, 80 * gib)), ("memory_allocated", 70 * gib),
+                        ("memory_reserved", 75.25 * gib)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    want = "cuda:1: 70.00 GiB allocated by torch, 75.25 GiB reserved, 0.50 GiB free of 80.00 GiB"
+    assert memory_summary("cuda:1") == memory_summary(None) == memory_summary(torch.device("cuda", 1)) == want
+    assert memory_summary("cpu").startswith("host: ")  # a CPU stage on a CUDA machine: the host's numbers
+
+
 def test_the_guard_names_the_stage_and_lets_everything_else_through():
     asked = []
 
