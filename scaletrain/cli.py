@@ -1,11 +1,13 @@
 """Command line: thin; builds the parser from :mod:`scaletrain.commands`, parses, dispatches.
 
 Every subcommand is a module of :mod:`scaletrain.commands` that registers itself. Errors a user can fix
-are printed as one line without a traceback (``--debug`` shows one). Before a command runs, this module
-sets up the console (:func:`scaletrain.console.setup_console`: our log lines, the libraries' noise
-filtered unless ``--verbose``) and, for the commands that decode (``evaluate``, ``translate``), torch's
-CPU threads (:func:`scaletrain.threads.apply_threads`, ``--threads N``). Building the parser imports no
-heavy library: ``scaletrain train`` with a wrong path fails before torch's engines load.
+are printed as one line without a traceback (``--debug`` shows one), exit code 2; running out of memory
+(:mod:`scaletrain.oom`) is one line too, anywhere, exit code :data:`~scaletrain.oom.OOM_EXIT` (71).
+Before a command runs, this module sets up the console (:func:`scaletrain.console.setup_console`: our log
+lines, the libraries' noise filtered unless ``--verbose``) and, for the commands that decode (``evaluate``,
+``translate``), torch's CPU threads (:func:`scaletrain.threads.apply_threads`, ``--threads N``). Building
+the parser imports no heavy library: ``scaletrain train`` with a wrong path fails before torch's engines
+load.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 
 from scaletrain import __version__
 from scaletrain.errors import ScaletrainError
+from scaletrain.oom import OOM_EXIT, as_oom, is_oom
 
 
 def _strip_launcher_args(argv: list[str]) -> list[str]:
@@ -98,10 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 2: fix the input; OOM_EXIT: out of memory
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - out of memory where no stage caught it is one line too
+        if args.debug or not is_oom(e):
+            raise
+        # no stage named it (loading a model, moving a batch): the command, the error's first sentence, the memory
+        line = as_oom(e, f"scaletrain {args.command}", "use a smaller batch setting of the command or a device with "
+                      "more memory (--debug shows where it ran out)")
+        print(f"scaletrain: error: {line}", file=sys.stderr)
+        return OOM_EXIT
 
 
 if __name__ == "__main__":

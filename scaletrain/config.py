@@ -281,9 +281,10 @@ class TrainConfig:
     max_nonfinite: int = 5
     """With ``nonfinite: skip``: consecutive skipped updates before stopping (>= 1)."""
     on_oom: str = "stop"
-    """A batch that runs out of device memory in its forward/backward: ``stop`` = fail with one line naming
-    the batch shape and ``data.max_tokens`` (the last checkpoint stays) | ``skip`` = withhold that update, count
-    it (oom_steps) and train on (a single process only, as fairseq)."""
+    """A training or validation batch that runs out of device memory in its forward/backward: ``stop`` = fail
+    with one line naming the batch shape and ``data.max_tokens`` (the last checkpoint stays) | ``skip`` = withhold
+    that update, count it (oom_steps) and train on; a validation batch is left out of the validation loss and
+    counted (valid/oom_batches) (a single process only, as fairseq). The optimizer step always stops."""
     bleu_every: int = 0
     """BLEU/chrF on ``eval.valid_lines`` per direction every N updates (>= 0; 0 = off)."""
     best_metric: str = ""

@@ -33,6 +33,7 @@ import torch
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode, sha256_file
+from scaletrain.oom import OutOfMemory, is_oom, memory_summary
 from scaletrain.safeload import safe_torch_load
 
 TAG_RE = re.compile(r"^step-(\d+)$")
@@ -199,10 +200,13 @@ class CheckpointManager:
                     atomic_write_text(pdir / "config.yaml", config_yaml)
                     atomic_write_text(pdir / "langs.json", json.dumps(langs))
                     save_vocab_files(vocab, pdir)
-            except (OSError, RuntimeError) as e:
-                if isinstance(e, RuntimeError) and not _looks_like_io_error(e):
+            except (OSError, RuntimeError, MemoryError) as e:  # out of memory (ZeRO-3 gathers, a CPU copy) too
+                if not isinstance(e, OSError) and not (_looks_like_io_error(e) or is_oom(e)):
                     raise
                 error = e
+                if is_oom(e):  # one line, with the cause kept for --debug
+                    error = OutOfMemory(f"writing checkpoint {tag}", memory=memory_summary(eng.device))
+                    error.__cause__ = e
         if self._any(error is not None):
             return self._save_failed(pdir, error)
         if eng.is_main:
@@ -244,6 +248,11 @@ class CheckpointManager:
             if eng.is_main:
                 log.warning("%s; training continues without it (train.on_save_error=continue)", msg)
             return None
+        if isinstance(error, OutOfMemory):  # its partial directory removed above, ``latest`` unchanged
+            error.fix = ("the state gathered for saving did not fit: leave it more room (a lower data.max_tokens), "
+                         "or set train.on_save_error=continue to train on without such a checkpoint")
+            error.after = f"{keep}; re-run the same command to resume"
+            raise error
         raise ScaletrainError(f"{msg}; free space or fix permissions, then re-run the same command to resume "
                               "(or set train.on_save_error=continue to train on without saving)")
 

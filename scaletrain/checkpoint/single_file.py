@@ -28,13 +28,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16} 
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write ``sd`` to ``path`` under a temporary name and rename it (mode as ``open()`` gives)."""
+    """Write ``sd`` to ``path`` under a temporary name and rename it (mode as ``open()`` gives); a failure
+    (out of memory, a full disk) removes the temporary file and leaves ``path`` as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    # contiguous, unshared copies: safetensors refuses tensors that share storage
-    save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp), metadata=metadata)
-    default_mode(tmp)  # safetensors creates it 0600
-    os.replace(tmp, path)
+    try:
+        # contiguous, unshared copies: safetensors refuses tensors that share storage
+        save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp), metadata=metadata)
+        default_mode(tmp)  # safetensors creates it 0600
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
@@ -56,13 +60,19 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") ->
         "source": str(ck),
     }
     out = Path(out)
-    vocab_meta = ck / VOCAB_FILE
+    vocab_meta, vocab_tmp = ck / VOCAB_FILE, None
     if vocab_meta.is_file():  # a SentencePiece model travels beside the file, recorded in its metadata
         info = json.loads(vocab_meta.read_text())
         name = f"{out.stem}.{info['file']}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ck / info["file"], out.parent / (name + ".tmp"))
-        os.replace(out.parent / (name + ".tmp"), out.parent / name)
+        vocab_tmp = out.parent / (name + ".tmp")
+        shutil.copyfile(ck / info["file"], vocab_tmp)
         meta["vocab"] = json.dumps({"kind": info["kind"], "file": name, "sha256": info["sha256"]})
-    save_safetensors(sd, out, meta)
+    try:  # the model beside an earlier export of the same name is replaced only once the new file is written
+        save_safetensors(sd, out, meta)
+        if vocab_tmp is not None:
+            os.replace(vocab_tmp, vocab_tmp.with_suffix(""))
+    finally:
+        if vocab_tmp is not None:
+            vocab_tmp.unlink(missing_ok=True)
     return out

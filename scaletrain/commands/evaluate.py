@@ -17,6 +17,8 @@ import json
 import logging
 from pathlib import Path
 
+from scaletrain.errors import ScaletrainError
+
 log = logging.getLogger("scaletrain")
 
 
@@ -36,6 +38,9 @@ def register(subparsers) -> None:
                     help="output length limit A * source length + B: A (default: eval.max_len_a of the recipe)")
     ev.add_argument("--max-len-b", type=int, default=None, help="... and B (default: eval.max_len_b of the recipe)")
     ev.add_argument("--max-lines", type=int, default=0, help="decode only the first N lines per direction (0 = all)")
+    ev.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+                    help="most beam-expanded padded source tokens per model call (default: eval.batch_tokens of the "
+                         "recipe); lower it when decoding runs out of memory")
     ev.add_argument("--json", default=None, help="also write the report as JSON here")
     ev.add_argument("--hyp-dir", default=None,
                     help="write src/ref/hyp.<src>-<tgt>.txt per direction here (default: RUN_DIR/eval/NAME)")
@@ -84,10 +89,12 @@ def run(args) -> int:
                                           write_record)
     from scaletrain.eval.scoring import format_table
 
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        raise ScaletrainError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
     result = evaluate_checkpoint(
         args.checkpoint, split=args.split, shards=args.shards, beam=args.beam, lenpen=args.lenpen,
         max_lines=args.max_lines, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-        device="cuda" if torch.cuda.is_available() else "cpu",
+        device="cuda" if torch.cuda.is_available() else "cpu", batch_tokens=args.batch_tokens,
     )
     spec = spec_of(result)
     print(f"evaluation {spec.name}: {spec.describe()}")

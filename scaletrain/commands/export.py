@@ -37,6 +37,17 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from scaletrain.oom import oom_guard
+
+    # the consolidated weights (and their --dtype copy) are held in host memory; every format writes under a
+    # temporary name and renames, so --out is as it was
+    with oom_guard(f"export --format {args.format}", f"consolidating checkpoint {args.checkpoint} (--dtype {args.dtype})",
+                   "export holds the whole model in host memory: close other processes or export on a machine with "
+                   f"more memory; {args.out} is as it was", device="cpu"):
+        return _export(args)
+
+
+def _export(args) -> int:
     if args.format == "hf":
         from scaletrain.export import export_hf
 

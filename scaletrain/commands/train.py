@@ -9,7 +9,8 @@ The config, the shard manifest and the output directory are checked first
 wrong path fails in a second or two. The work is :func:`scaletrain.train.train`; rank 0 prints a one-line
 summary at the end. SIGTERM,
 SIGUSR1 or SIGINT: a checkpoint at the next step boundary, the MLflow run ends KILLED, exit code 75;
-re-running the same command resumes.
+re-running the same command resumes. Out of memory anywhere: one line, the run FAILED, exit code 71
+(:mod:`scaletrain.oom`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def register(subparsers) -> None:
     tr = subparsers.add_parser(
         "train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)",
         epilog="SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary, MLflow run KILLED, exit 75 "
-               "(train.preempt_grace_seconds); re-run the same command to resume.")
+               "(train.preempt_grace_seconds); re-run the same command to resume. Out of memory: one line naming the "
+               "stage, the batch and the setting to lower (train.on_oom), MLflow run FAILED, exit 71.")
     tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
     tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

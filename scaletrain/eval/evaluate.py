@@ -59,10 +59,11 @@ def _spec(cfg, ckpt, trainer_state, *, split, shards, lines, max_lines, full, be
 
 
 def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None, max_lines=0, max_len_a=None,
-                        max_len_b=None, device="cpu", progress=True) -> dict:
+                        max_len_b=None, device="cpu", progress=True, batch_tokens=None) -> dict:
     """Decode ``split`` (default: the recipe's ``eval.split``) of the checkpoint and score it; decoding
-    settings default to the recipe's ``eval`` section. The result's ``evaluation`` describes what was
-    evaluated (:class:`~scaletrain.tracking.records.EvalSpec`), ``name`` names it."""
+    settings default to the recipe's ``eval`` section (``batch_tokens``: ``eval.batch_tokens``). The result's
+    ``evaluation`` describes what was evaluated (:class:`~scaletrain.tracking.records.EvalSpec`), ``name``
+    names it. Out of memory while decoding: one line naming the batch and ``--batch-tokens``."""
     model, cfg, vocab, trainer_state, ckpt = load_for_inference(path, device)
     ec = cfg.eval
     split = split or ec.split
@@ -79,15 +80,18 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
 
         bar = tqdm(total=len(examples), desc=f"decoding {split}", unit="sent", leave=False)
     t0 = time.time()
-    res = translate_examples(
-        model, examples, vocab, batch_tokens=ec.batch_tokens, beam=beam, lenpen=lenpen,
-        max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
-        # a degenerate model stops near training's lengths
-        length_ratios=train_length_ratios(load_manifest(shards)), stop_invalid_utf8=ec.stop_invalid_utf8,
-    )
+    try:
+        res = translate_examples(
+            model, examples, vocab, batch_tokens=batch_tokens or ec.batch_tokens, beam=beam, lenpen=lenpen,
+            max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
+            # a degenerate model stops near training's lengths
+            length_ratios=train_length_ratios(load_manifest(shards)), stop_invalid_utf8=ec.stop_invalid_utf8,
+            stage=f"evaluate, decoding the {split} split on {device}", batch_tokens_key="--batch-tokens",
+        )
+    finally:  # an error line starts on a line of its own
+        if bar:
+            bar.close()
     secs = time.time() - t0
-    if bar:
-        bar.close()
     L = vocab.langs
     refs = [ex.tgt.decode("utf-8", errors="replace") for ex in examples]
     srcs = [ex.src.decode("utf-8", errors="replace") for ex in examples]

@@ -70,6 +70,7 @@ import torch
 from scaletrain.data.batch import Example, collate, collate_arrays, src_len
 from scaletrain.data.batching import decode_batches
 from scaletrain.errors import ScaletrainError
+from scaletrain.oom import oom_guard
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, PAD, ByteVocab
 
 DEFAULT_MAX_LEN_A = 4.0
@@ -661,6 +662,8 @@ def translate_examples(
     progress: Callable[[int], None] | None = None,
     stop_invalid_utf8: bool = True,
     length_ratios: Mapping[tuple[int, int], float] | None = None,
+    stage: str = "decoding",
+    batch_tokens_key: str = "batch_tokens",
 ) -> TranslationResult:
     """Translate every example (none is skipped) and return texts in input order.
 
@@ -673,7 +676,9 @@ def translate_examples(
     vocabularies only): each line's output is also limited to ``ceil(RATIO_SLACK * ratio * src_bytes +
     RATIO_EXTRA)`` bytes, so a degenerate model stops near the lengths training saw instead of at
     ``max_len_a * src + max_len_b``; ``at_limit`` marks the lines that ended at their limit rather than by EOS.
-    ``progress(n)`` is called after each batch with the number of sentences done in it.
+    ``progress(n)`` is called after each batch with the number of sentences done in it. Out of memory in a
+    batch: one line (:class:`scaletrain.oom.OutOfMemory`) naming ``stage``, the batch's shape and the setting
+    that sizes it (``batch_tokens_key``: the caller's name for ``batch_tokens``, e.g. ``--batch-tokens``).
     """
     examples = list(examples)
     if batch_tokens <= 0:
@@ -689,16 +694,21 @@ def translate_examples(
     if not examples:
         return TranslationResult(texts, invalid, tokens, cut, at_limit)
     sources = _Sources(examples, vocab, max_src_bytes)
+    device = _model_device(model)
     for idx in decode_batches(sources.lengths, batch_tokens, beam, max_sentences):
         batch = sources.batch(idx)
         limits = max_output_lengths(batch.src, max_len_a, max_len_b, max_positions)
         if length_ratios is not None and sources.is_bytes:
             limits = torch.minimum(limits, ratio_limits([examples[i] for i in idx], length_ratios, sources, idx))
-        hyps = generate_with_scores(
-            model, batch.src, batch.tgt_in[:, 0], beam=beam, lenpen=lenpen, max_len_a=max_len_a,
-            max_len_b=max_len_b, min_len=min_len, max_positions=max_positions, lang_offset=sources.lang_offset,
-            stop_invalid_utf8=stop_invalid_utf8, row_limits=limits,
-        )
+        shape = lambda: (f"a batch of {batch.src.shape[0]} lines x beam {beam} x {batch.src.shape[1]} source tokens "
+                         f"(= {batch.src.numel() * beam} of {batch_tokens_key}={batch_tokens}), up to "
+                         f"{int(limits.max())} output tokens each")
+        with oom_guard(stage, shape, f"lower {batch_tokens_key}", device=device):
+            hyps = generate_with_scores(
+                model, batch.src, batch.tgt_in[:, 0], beam=beam, lenpen=lenpen, max_len_a=max_len_a,
+                max_len_b=max_len_b, min_len=min_len, max_positions=max_positions, lang_offset=sources.lang_offset,
+                stop_invalid_utf8=stop_invalid_utf8, row_limits=limits,
+            )
         for i, h, lim in zip(idx, hyps, limits.tolist()):
             res = vocab.decode_counting(h.tokens)
             texts[i], invalid[i], tokens[i], cut[i] = res.text, res.invalid, h.tokens, h.cut

@@ -148,6 +148,7 @@ class BleuValidator:
         mine: list[tuple[int, str, int]] = []
         if idx:
             res = translate_examples(model, [self.examples[i] for i in idx], self.vocab, progress=progress,
+                                     stage="in-training BLEU decoding", batch_tokens_key="eval.batch_tokens",
                                      **self.decode_kw)
             mine = list(zip(idx, res.texts, res.invalid))
         if hasattr(model, "finish"):  # lock-step decoding (expert parallelism): join the other ranks' batches

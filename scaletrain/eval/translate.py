@@ -102,7 +102,7 @@ def translate_lines(model, vocab, lines: list[bytes], src_lang: str, tgt_lang: s
         return out, 0
     res = translate_examples(
         model, [Example(s, t, lines[i], b"") for i in todo], vocab, batch_tokens=batch_tokens, beam=beam,
-        lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
+        lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b, stage="translate", batch_tokens_key="--batch-tokens",
     )
     for i, text in zip(todo, res.texts):
         out[i] = text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
@@ -111,12 +111,20 @@ def translate_lines(model, vocab, lines: list[bytes], src_lang: str, tgt_lang: s
 
 def translate_stream(model, vocab, batches: Iterable[list[bytes]], write: Callable[[bytes], object],
                      flush: Callable[[], object], src_lang: str, tgt_lang: str, **kw) -> dict:
-    """Translate each batch and write it (UTF-8, one line per input line) followed by ``flush()``."""
+    """Translate each batch and write it (UTF-8, one line per input line) followed by ``flush()``. Out of
+    memory: one line saying how many lines were written before (whole batches only)."""
+    from scaletrain.oom import OutOfMemory
+
     vocab.lang_index(src_lang), vocab.lang_index(tgt_lang)  # fail before reading any input
     n_lines = n_invalid = n_batches = 0
     t0 = time.time()
     for batch in batches:
-        texts, inv = translate_lines(model, vocab, batch, src_lang, tgt_lang, **kw)
+        try:
+            texts, inv = translate_lines(model, vocab, batch, src_lang, tgt_lang, **kw)
+        except OutOfMemory as e:
+            e.after = (f"stdout holds the translations of the first {n_lines} input lines only (the batch of lines "
+                       f"{n_lines + 1}-{n_lines + len(batch)} failed)")
+            raise
         write("".join(t + "\n" for t in texts).encode("utf-8"))
         flush()
         n_lines += len(batch)

@@ -34,7 +34,8 @@ from scaletrain.engine.model_prep import compile_on
 from scaletrain.train.compile_stats import compile_metrics
 from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
-from scaletrain.train.unit import StepOutput, TranslationUnit, validation_loss
+from scaletrain.train.oom import OomPolicy
+from scaletrain.train.unit import StepOutput, TranslationUnit, validation
 
 log = logging.getLogger("scaletrain")
 
@@ -252,11 +253,22 @@ class Evaluator:
     def validation_loss(self) -> float:
         d, eng = self.cfg.data, self.engine
         stream = ShardLoader.for_run(d, "valid", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab)
-        v = validation_loss(eng, self.unit, stream, self.cfg.train.valid_max_batches)
+        oom = OomPolicy.for_run(self.cfg, eng)  # a batch out of memory: stop naming it, or leave it out
+        res = validation(eng, self.unit, stream, self.cfg.train.valid_max_batches, oom=oom,
+                         where=f"validation at step {self.state.step}")
+        v = res.nll
         self.state.valid_history.append((self.state.step, v))
         if eng.is_main:
             log.info("step %6d | valid nll %.4f (%.3f bits/byte)", self.state.step, v, v / math.log(2))
-            self.tracker.log_metrics({"valid/nll": v}, step=self.state.step)
+            metrics = {"valid/nll": v}
+            if oom.mode == "skip":
+                metrics["valid/oom_batches"] = float(res.oom_batches)
+            if res.oom_batches:
+                log.warning("step %d: %d validation batch(es) ran out of memory and were left out (train.on_oom=skip); "
+                            "%s (data.max_tokens=%d)", self.state.step, res.oom_batches,
+                            f"valid nll is over the {res.batches} that ran" if res.batches else
+                            "none ran: valid nll is NaN, never a best", self.cfg.data.max_tokens)
+            self.tracker.log_metrics(metrics, step=self.state.step)
         return v
 
     def bleu_scores(self) -> dict[str, float]:

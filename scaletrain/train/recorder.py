@@ -152,10 +152,13 @@ class RunRecorder:
             self.system_metrics.stop(timeout=min(10.0, self.cfg.tracking.end_timeout) if timeout is None else timeout)
             self.system_metrics = None
 
-    def close(self, status: str) -> None:
+    def close(self, status: str, reason: str = "") -> None:
         """End the record: stop the system-metrics sampler, end the run with ``status`` (FINISHED, FAILED or
-        KILLED), waiting at most ``tracking.end_timeout`` for the server."""
+        KILLED), waiting at most ``tracking.end_timeout`` for the server. ``reason`` (a failed job's one line)
+        becomes the run's ``failure`` tag."""
         self.stop_system_metrics()
+        if reason and self.engine.is_main and self.enabled and self.tracker.run_id is not None:
+            self.tracker.set_tags({"failure": " ".join(reason.split())})
         self.tracker.end(status)
 
 

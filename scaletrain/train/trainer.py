@@ -29,8 +29,10 @@ from scaletrain.data.sources import run_source
 from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
+from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
+from scaletrain.oom import as_oom, is_oom
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.nonfinite import NonfiniteGuard
@@ -129,11 +131,27 @@ class Trainer:
     def fit(self) -> TrainResult:
         try:
             return self._fit()
-        except Exception as e:  # a collective failed because a peer died or hung: one line naming it
-            err = self.peers.explain(e)
+        except Exception as e:
+            if is_oom(e):  # one line (its stage's, else the step's) ending with the checkpoint a re-run resumes from
+                line = as_oom(e, f"training step {self.state.step + 1}", "lower data.max_tokens", self.engine.device)
+                line.after = line.after or self._resume_note()
+                if line is e:
+                    raise
+                raise line from e
+            err = self.peers.explain(e)  # a collective failed because a peer died or hung: one line naming it
             if err is None:
                 raise
             raise err from None
+
+    def _resume_note(self) -> str:
+        """What a failed job leaves: nothing written since the last checkpoint, which a re-run resumes from."""
+        try:
+            tag = self.ckpt.latest()
+        except ScaletrainError:
+            tag = None
+        if tag is None:
+            return "no checkpoint was written yet: re-run the same command to start again"
+        return f"the last checkpoint, {self.ckpt.root / tag}, is intact and the newest: re-run the same command to resume"
 
     def _fit(self) -> TrainResult:
         st, eng = self.state, self.engine
@@ -285,12 +303,13 @@ class Trainer:
             self.tracker.log_metrics({"baseline/unigram_valid_nll": base_nll}, step=self.state.step)
         return base_nll
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str = "FINISHED", reason: str = "") -> None:
+        """End the job's record with ``status``; ``reason``: why it failed (the run's ``failure`` tag)."""
         self.logger.progress.close()
         try:  # the handlers stay until the run has ended: the launcher's own SIGTERM must not kill us mid-way
             if self.prefetcher is not None:
                 self.prefetcher.close()  # the data loader's workers
-            self.recorder.close("KILLED" if self.preempted and status == "FINISHED" else status)
+            self.recorder.close("KILLED" if self.preempted and status == "FINISHED" else status, reason)
         finally:
             self.preemption.uninstall()
 
@@ -302,7 +321,10 @@ def train(cfg: Config) -> TrainResult:
     try:
         result = trainer.fit()
     except BaseException as e:
-        trainer.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        killed = isinstance(e, KeyboardInterrupt)
+        first = (str(e).strip().splitlines() or [""])[0]
+        reason = "" if killed else str(e) if isinstance(e, ScaletrainError) else f"{type(e).__name__}: {first}"
+        trainer.close("KILLED" if killed else "FAILED", reason)
         raise
     trainer.close("FINISHED")
     if trainer.engine.is_main:

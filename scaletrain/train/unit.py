@@ -6,6 +6,7 @@ statistics (MoCE expert shares per language, mean radius).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.models.routing_stats import routing_metrics
+from scaletrain.oom import is_oom, memory_summary
 from scaletrain.train.moe_usage import MoeLanguageUsage
 from scaletrain.train.oom import OomPolicy
 
@@ -157,34 +159,54 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
             b = b.to(engine.device)
             loss_sum, nll_sum, ntok = unit.loss(b)
             engine.backward(loss_sum * scale)
-        except torch.OutOfMemoryError:
-            if oom is None:
+        except Exception as e:  # noqa: BLE001 - re-raised unless out of memory under a policy
+            if oom is None or not is_oom(e):
                 raise
-            failed = i  # handled below, once this frame's tensors are released
+            failed, at_failure = i, memory_summary(engine.device)  # handled below, once released
             break
         s = torch.stack([loss_sum.detach().double(), nll_sum.detach().double(),
                          torch.as_tensor(ntok, device=loss_sum.device).double()])
         acc = s if acc is None else acc + s
         examples += b.size
-    if failed is not None:
-        shape = oom.recover(engine, micro, failed)  # raises under train.on_oom=stop
+    shape = oom.recover(engine, micro, failed, at_failure) if failed is not None else ""  # raises under stop
+    with oom.updating(engine, micro) if oom is not None else contextlib.nullcontext():  # always stops
         info = engine.step()
+    if failed is not None:
         return StepOutput(info, 0, [0.0, 0.0, 0.0], 0, 0, save_due=g_save > 0, oom=shape)
-    info = engine.step()
     return StepOutput(info, int(g_tok), acc, examples, int(g_src), save_due=g_save > 0)
 
 
-@torch.no_grad()
+@dataclass
+class ValidLoss:
+    """A validation pass on every rank: ``nll`` per target token over the batches that ran (NaN when every
+    batch ran out of memory), ``batches`` that ran and ``oom_batches`` left out (``train.on_oom=skip``), summed
+    over the ranks."""
+    nll: float
+    batches: int
+    oom_batches: int = 0
+
+
 def validation_loss(engine: Engine, unit: TranslationUnit, batches, max_batches: int) -> float:
+    """Mean nll per target token over at most ``max_batches`` of ``batches`` on every rank (collective); see
+    :func:`validation`."""
+    return validation(engine, unit, batches, max_batches).nll
+
+
+@torch.no_grad()
+def validation(engine: Engine, unit: TranslationUnit, batches, max_batches: int, oom: OomPolicy | None = None,
+               where: str = "validation") -> ValidLoss:
     """Mean nll per target token over at most ``max_batches`` of ``batches`` on every rank (collective).
 
     Where every forward is a collective (``engine.partitioned()``: ZeRO-3 gathers, expert-parallel
     exchanges) the ranks go in lock-step: a vote per batch, and a rank whose batches ran out re-runs its
-    last one (result discarded) while another rank still has one, so that no rank waits alone."""
+    last one (result discarded) while another rank still has one, so that no rank waits alone.
+
+    ``oom``: a batch that runs out of memory stops with one line naming it and ``where`` (``train.on_oom=stop``),
+    or is left out and counted (``skip``, a single process)."""
     engine.train(False)
-    nll, n = None, 0  # summed on the device, read once at the end
+    nll, ran, skipped = None, 0, 0  # nll summed on the device, read once at the end
     lockstep, it, last = engine.partitioned(), iter(batches), None
-    for _ in range(max_batches):
+    for k in range(max_batches):
         batch = next(it, None)
         if lockstep and engine.all_reduce_sum([float(batch is not None)])[0] == 0 or not lockstep and batch is None:
             break
@@ -192,12 +214,25 @@ def validation_loss(engine: Engine, unit: TranslationUnit, batches, max_batches:
             if last is not None:
                 unit.loss(last)
             continue
-        last = batch.to(engine.device)
-        _, nll_sum, ntok = unit.loss(last)
+        at_failure = None
+        try:
+            last = batch.to(engine.device)
+            _, nll_sum, ntok = unit.loss(last)
+        except Exception as e:  # noqa: BLE001 - re-raised unless out of memory under a policy
+            if oom is None or not is_oom(e):
+                raise
+            at_failure = memory_summary(engine.device)
+        if at_failure is not None:  # outside the handler: the failed forward's tensors are released
+            last = None
+            oom.validation_batch(engine, batch, k, where, at_failure)  # raises under train.on_oom=stop
+            skipped += 1
+            continue
         s = torch.stack([nll_sum.double(), torch.as_tensor(ntok, device=nll_sum.device).double()])
         nll = s if nll is None else nll + s
+        ran += 1
     nll, n = nll.tolist() if nll is not None else (0.0, 0.0)
-    tot_nll, tot_n = engine.all_reduce_sum([nll, n])
+    tot_nll, tot_n, tot_ran, tot_skipped = engine.all_reduce_sum([nll, n, float(ran), float(skipped)])
     unit.routing(reset=True)  # routing statistics describe training batches only
     engine.train(True)
-    return tot_nll / max(tot_n, 1)
+    mean = tot_nll / max(tot_n, 1) if tot_ran or not tot_skipped else float("nan")
+    return ValidLoss(mean, int(tot_ran), int(tot_skipped))

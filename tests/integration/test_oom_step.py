@@ -50,7 +50,7 @@ def test_stop_names_the_batch_and_keeps_the_last_checkpoint(django_shards, tmp_p
     tr.close("FAILED")
     (src, tgt), = shapes
     msg = str(e.value)
-    assert "\n" not in msg and "out of device memory in micro-batch 2/2" in msg and "data.max_tokens=600" in msg
+    assert "\n" not in msg and "out of memory in micro-batch 2/2" in msg and "data.max_tokens=600" in msg
     assert f"{src[0]}x{src[1]} source -> {tgt[0]}x{tgt[1]} target" in msg and "train.on_oom=skip" in msg
     ck = tmp_path / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step-0000002" and not list(ck.glob("*.partial"))

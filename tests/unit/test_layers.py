@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[2] / "scaletrain"
 # low to high; a part may import only parts of lower layers (and itself)
 LAYERS: list[set[str]] = [
     {"errors", "recipes"},  # ScaletrainError; the recipes (YAML files)
-    {"__init__", "fileio", "safeload", "console", "threads"},  # primitives: nothing of scaletrain above
+    {"__init__", "fileio", "safeload", "console", "threads", "oom"},  # primitives: nothing of scaletrain above
     {"vocab", "parallel", "tracking"},  # byte/subword vocabulary; process groups; MLflow and run records
     {"data"},  # what training reads: shards, sources, batching, the resumable stream
     {"models", "prepare"},  # the papers' models; offline corpus preparation (beside the readers it uses)
