@@ -5,15 +5,11 @@ live iterators, in interleaved rounds of ``--steps`` steps each:
 
 * ``workers``: ``ShardLoader(num_workers=W)``, forked once (as in a training run, which iterates one
   loader for the whole run);
-* ``in-process``: the very same batch sequence made in this process (the loader's W virtual slots'
-  ``ShardStream`` s read chunk by chunk, as the workers do; checked equal to the workers' batches).
-  With ``--workers 1`` that is exactly ``ShardLoader(num_workers=0)``'s sequence.
+* ``in-process``: the very same batch sequence made in this process (``ShardStream``; the workers read whole
+  windows in turn and do not change the batches, checked equal to the workers' batches).
 
 Both see identical batches in each round, so the per-round ratio of step times measures the loader and
-nothing else. (For W >= 2, ``ShardLoader(num_workers=0)`` yields a *different* sequence: one slot instead of W,
-other batch plans. Comparing 10-step rounds of the two sequences measured the batches: the old 0.93x was the
-workers' first 10 batches holding 7% more padded tokens than the in-process ones, with the same seed
-every round.)
+nothing else.
 
 Per round and loader: seconds per step, the data wait per step (time in ``next()``), the training
 process's CPU per step and the workers' CPU per step (``/proc/<pid>/stat`` of the child processes).
@@ -22,7 +18,7 @@ the copy-on-write of the trainer's memory (its minor page faults are printed).
 
 ``--decode-ms X`` makes every full block read X ms slower (sleeps: a stand-in for an expensive decode on
 other cores, e.g. a subword tokenizer or a remote read). Blocks are read a window at a time, so use a
-small ``--buffer-size`` (blocks per slot and window; 2 gives a window every ~20 steps here) to see it:
+small ``--buffer-size`` (blocks per batch slot and window; 2 gives a window every ~20 steps here) to see it:
 in process the step pays for it, workers read ahead and hide it.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_loader_workers.py [--workers 2] [--steps 20] [--rounds 5]
@@ -63,17 +59,10 @@ def slow_reads(ms: float) -> None:
     stream_mod.read_block = slow
 
 
-def same_batches_in_process(shards: str, workers: int, chunk: int, **kw):
-    """The batch sequence of ``ShardLoader(shards, num_workers=workers, chunk=chunk, **kw)`` made in this
-    process: virtual slot v is ``ShardStream(rank=v, world_size=workers)``; slots take turns by chunk."""
-    streams = [stream_mod.ShardStream(shards, "train", rank=v, world_size=workers, **kw) for v in range(workers)]
-    its = [iter(s) for s in streams]
-    while True:
-        for s, it in zip(streams, its):
-            while True:
-                yield next(it)
-                if s.position().batch % chunk == 0:
-                    break
+def same_batches_in_process(shards: str, **kw):
+    """The batch sequence of ``ShardLoader(shards, num_workers=W, **kw)`` made in this process: the stream's own
+    (the workers read whole windows in turn, the loader yields them in order)."""
+    yield from stream_mod.ShardStream(shards, "train", **kw)
 
 
 def children_cpu() -> float:
@@ -111,7 +100,7 @@ def train_steps(model, opt, it, steps: int) -> dict:
 def check_same(shards: str, workers: int, n: int, **kw) -> None:
     """The in-process sequence equals the workers' one (first ``n`` batches), or stop."""
     a = iter(ShardLoader(shards, "train", num_workers=workers, **kw))
-    b = same_batches_in_process(shards, workers, 8, **kw)
+    b = same_batches_in_process(shards, **kw)
     for i in range(n):
         x, y = next(a), next(b)
         if not (torch.equal(x.src, y.src) and torch.equal(x.tgt_out, y.tgt_out)):
@@ -163,7 +152,7 @@ def main() -> int:
                       dropout=0.1, max_positions=256)
     model = build_model(cfg, ByteVocab(load_manifest(args.shards).languages).size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    src = {"in-process": same_batches_in_process(args.shards, args.workers, 8, **kw)}
+    src = {"in-process": same_batches_in_process(args.shards, **kw)}
     b0 = next(src["in-process"])  # batch 0: warm-up twice in process, then the first step after the fork
     train_steps(model, opt, iter([b0]), 1)  # cold: first allocations
     start = {"p": train_steps(model, opt, iter([b0]), 1)}

@@ -71,11 +71,20 @@ def initial_state(config: dict) -> dict:
             "config": dict(config), "skipped_blocks": 0, "skipped_total": 0}
 
 
-def upgrade(state) -> dict:
+def unstarted(state) -> bool:
+    """A version-1 loader state none of whose workers had yielded a batch (it names no settings)."""
+    return isinstance(state, dict) and state.get("version") == 1 and isinstance(state.get("positions"), list) and all(
+        p is None for p in state["positions"])
+
+
+def upgrade(state, config: dict | None = None) -> dict:
     """``state`` as a version-2 stream state: a version-1 stream state (``world_size`` slots) or a version-1
-    loader state (``positions`` of its worker slots) converted, a version-2 one checked. One line on bad input."""
+    loader state (``positions`` of its worker slots) converted, a version-2 one checked. An ``unstarted`` state
+    is the start of a stream with ``config`` (the reader's own settings). One line on bad input."""
     if not isinstance(state, dict):
         raise ScaletrainError(f"invalid data-stream state (a {type(state).__name__}, not a dict)")
+    if unstarted(state) and config is not None:
+        return initial_state(config)
     try:
         version = state["version"]
         if version == 1 and "positions" in state:
@@ -192,6 +201,8 @@ def states_for_layout(states: list, dp_size: int, grad_accum: int) -> list[dict]
     if dp_size < 1 or grad_accum < 1 or not states:
         raise ScaletrainError(f"states_for_layout: {len(states)} saved state(s), dp_size {dp_size}, "
                               f"grad_accum {grad_accum}: need at least one state and sizes >= 1")
+    if all(unstarted(s) for s in states):  # nothing read yet: every new rank starts the stream
+        return [dict(states[0]) for _ in range(dp_size)]
     ups = [upgrade(s) for s in states]
     strip = [{k: v for k, v in s.items() if k not in _SKIPS} for s in ups]
     for r, s in enumerate(strip[1:], 1):

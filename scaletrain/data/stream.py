@@ -717,7 +717,7 @@ class ShardStream:
         """Continue from ``state`` (any version; ``scaletrain.data.position.upgrade``): exactly, when it was saved
         with the same batch slot count (data-parallel size x grad_accum, however spread over ranks); with another
         count, from the position ``change_slots`` gives (nothing of the epoch lost or repeated)."""
-        st = upgrade(state)
+        st = upgrade(state, self._config())
         mine, cfg = self._config(), st["config"]
         diff = {k: (cfg.get(k), mine.get(k)) for k in {*mine, *cfg} - {"slots"} if cfg.get(k) != mine.get(k)}
         if diff:

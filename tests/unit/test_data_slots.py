@@ -162,6 +162,10 @@ def test_old_one_slot_per_rank_checkpoint_resumes_exactly(shards):
         s = ShardStream(shards, rank=1, world_size=2, epochs=1, **KW)
         s.load_state_dict(state)
         assert head + [x.tolist() for x in s.example_ids()] == full
+    fresh = {"version": 1, "num_workers": 2, "next": 0, "chunk": 8, "positions": [None, None]}  # before a batch
+    s = ShardStream(shards, rank=1, world_size=2, epochs=1, **KW)
+    s.load_state_dict(states_for_layout([fresh, fresh], 2, 1)[1])
+    assert [x.tolist() for x in s.example_ids()] == full
     with pytest.raises(ScaletrainError, match="max_tokens: saved 700 now 800"):
         ShardStream(shards, **{**KW, "max_tokens": 800}).load_state_dict(v1)
     with pytest.raises(ScaletrainError, match="invalid data-stream state"):
