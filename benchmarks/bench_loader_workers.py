@@ -23,6 +23,10 @@ in process the step pays for it, workers read ahead and hide it.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_loader_workers.py [--workers 2] [--steps 20] [--rounds 5]
         [--decode-ms 0] [--buffer-size 16]
+
+``--data-only N``: no training; read N batches from ``ShardLoader(num_workers=W)`` (after the first) and print
+the consuming process's CPU, the workers' CPU and the wall time per batch, and the process's peak RSS: the
+data side alone, which the training steps of a 2-core machine drown.
 """
 from __future__ import annotations
 
@@ -107,6 +111,20 @@ def check_same(shards: str, workers: int, n: int, **kw) -> None:
             raise SystemExit(f"batch {i} differs between the workers and the in-process sequence")
 
 
+def data_only(args, **kw) -> None:
+    it = iter(ShardLoader(args.shards, "train", num_workers=args.workers, **kw))
+    next(it)  # the fork and the first window
+    n = args.data_only
+    c0, k0, t0 = time.process_time(), children_cpu(), time.perf_counter()
+    for _ in range(n):
+        next(it)
+    per = {"consumer CPU": time.process_time() - c0, "workers CPU": children_cpu() - k0,
+           "wall": time.perf_counter() - t0}
+    print(f"load average {os.getloadavg()[0]:.2f}; {n} batches, {args.workers} workers: "
+          + ", ".join(f"{k} {1000 * v / n:.3f} ms" for k, v in per.items()) + " per batch; peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+
+
 def report(args, rows: dict, start: dict) -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"CPU {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, training threads "
@@ -138,12 +156,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=6000)
     ap.add_argument("--buffer-size", type=int, default=16, help="blocks per slot and shuffle window")
     ap.add_argument("--decode-ms", type=float, default=0.0, help="extra milliseconds per full block read")
+    ap.add_argument("--data-only", type=int, default=0, metavar="N", help="no training: N batches, the data side's CPU")
     args = ap.parse_args()
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     kw = dict(max_tokens=args.max_tokens, max_bytes=160, seed=1, buffer_size=args.buffer_size)
+    if args.data_only:
+        data_only(args, **kw)
+        return 0
     check_same(args.shards, args.workers, 24, **kw)
     if args.decode_ms:
         slow_reads(args.decode_ms)
