@@ -331,13 +331,15 @@ def test_loader_workers_and_chunks_keep_the_batches_and_resume_mid_chunk(data):
     kw = dict(epochs=1, max_tokens=512, max_bytes=128, buffer_size=4)
     want = list(ShardStream(d, **kw))
     assert ShardStream(d, **kw).n_windows >= 3
-    for nw, chunk in ((2, 3), (3, 1)):
-        full = list(ShardLoader(d, num_workers=nw, chunk=chunk, **kw))
-        assert len(full) == len(want) and all(same(a, b) for a, b in zip(full, want)), (nw, chunk)
-    for k in (1, 4, 5, len(want) // 2):  # inside worker 0's chunk, inside worker 1's chunk, in a later window
+    full = list(ShardLoader(d, num_workers=2, chunk=3, **kw))
+    assert len(full) == len(want) and all(same(a, b) for a, b in zip(full, want))
+    probe = ShardStream(d, **kw)
+    n0 = next(i for i, _ in enumerate(probe, 1) if probe.state_dict()["window"] == 1)  # window 0's batches
+    for k, nw in ((4, 3), (n0 + 1, 0)):  # inside worker 0's 2nd chunk (window 0); inside worker 1's (window 1)
         ld = ShardLoader(d, num_workers=2, chunk=3, **kw)
         head = list(itertools.islice(iter(ld), k))
-        again = ShardLoader(d, num_workers=3 if k % 2 else 2, chunk=2, **kw)
+        assert (ld.state_dict()["window"], ld.state_dict()["batch"]) == ((0, 4) if k == 4 else (1, 1))
+        again = ShardLoader(d, num_workers=nw, chunk=2, **kw)
         again.load_state_dict(json.loads(json.dumps(ld.state_dict())))
         rest = list(again)
         assert len(head) + len(rest) == len(want) and all(same(a, b) for a, b in zip(head + rest, want)), k
