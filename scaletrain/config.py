@@ -79,7 +79,8 @@ class DataConfig:
     num_workers: int | str = "auto"
     """DataLoader worker processes per rank feeding the stream (0 = in the training process). ``auto``: 2 for
     remote shards or on an accelerator with >= 4 host cores per rank, 1 on a CPU host with an idle core per
-    rank beside the training threads, else 0 (scaletrain.data.loader.auto_num_workers)."""
+    rank beside the training threads, else 0 (scaletrain.data.loader.auto_num_workers). The batches do not depend
+    on it: a checkpoint resumes with any count."""
     temperature: float = 1.0
     """Language-pair sampling p ~ n^(1/T) (> 0); 1 = natural proportions, larger = flatter."""
     tokenizer: str = "byte"

@@ -35,8 +35,8 @@ def auto_num_workers(device_type: str, shards, local_ranks: int, cores: int,
     * remote shards (``http(s)://`` / ``pipe:``): 2, their reads wait on the network, not on a core;
     * an accelerator whose host has spare cores (at least 4 per local rank): 2;
     * a CPU-only host with an idle core per rank beside the training threads (``threads`` torch threads
-      per rank, default ``cores // local_ranks``, i.e. none idle): 1. One worker yields exactly the
-      in-process batch sequence and state (checkpoints resume either way), takes the data side
+      per rank, default ``cores // local_ranks``, i.e. none idle): 1. Any worker count yields exactly the
+      in-process batch sequence and state (checkpoints resume either way); one worker takes the data side
       (window reads, CRC checks, planning, collation; ~0.6 ms of worker CPU per batch of the `small`
       model) off the step, and costs the step nothing measurable (``benchmarks/bench_loader_workers.py``
       on the same batches, 2 cores, 1 training thread: step time in-process / 1 worker 1.01 [0.99-1.05]);
