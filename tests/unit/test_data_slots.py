@@ -101,7 +101,7 @@ def test_resume_in_another_layout_with_the_same_slots_continues_the_same_updates
             s.load_state_dict(st)
             assert s.state_dict()["carry"] is None  # the same slot count: the same sequence, nothing regrouped
         assert head + read_updates(new) == full, ((dp, a), (dp2, a2))
-        if dp2 == 1:  # without the helper: any old rank's state loads as is
+        if dp2 == 1:  # without states_for_layout: any old rank's state loads as is
             direct = rank_streams(shards, dp2, a2, epochs=2)
             direct[0].load_state_dict(states[-1])
             assert head + read_updates(direct) == full
