@@ -214,7 +214,7 @@ def fresh_opus(a: argparse.Namespace) -> Path:
 def main() -> None:
     ap = corpus_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), 200_000, "/tmp/bench_data_stream")
     ap.add_argument("--naive-pairs", type=int, default=20_000)
-    ap.add_argument("--buffer", type=int, default=64, help="stream buffer_size (blocks per rank per window)")
+    ap.add_argument("--buffer", type=int, default=64, help="stream buffer_size (blocks per batch slot per window)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(a.workdir)

@@ -5,15 +5,11 @@ live iterators, in interleaved rounds of ``--steps`` steps each:
 
 * ``workers``: ``ShardLoader(num_workers=W)``, forked once (as in a training run, which iterates one
   loader for the whole run);
-* ``in-process``: the very same batch sequence made in this process (the loader's W virtual slots'
-  ``ShardStream`` s read chunk by chunk, as the workers do; checked equal to the workers' batches).
-  With ``--workers 1`` that is exactly ``ShardLoader(num_workers=0)``'s sequence.
+* ``in-process``: the very same batch sequence made in this process (``ShardStream``; the workers read whole
+  windows in turn and do not change the batches, checked equal to the workers' batches).
 
 Both see identical batches in each round, so the per-round ratio of step times measures the loader and
-nothing else. (For W >= 2, ``ShardLoader(num_workers=0)`` yields a *different* sequence: one slot instead of W,
-other batch plans. Comparing 10-step rounds of the two sequences measured the batches: the old 0.93x was the
-workers' first 10 batches holding 7% more padded tokens than the in-process ones, with the same seed
-every round.)
+nothing else.
 
 Per round and loader: seconds per step, the data wait per step (time in ``next()``), the training
 process's CPU per step and the workers' CPU per step (``/proc/<pid>/stat`` of the child processes).
@@ -22,11 +18,15 @@ the copy-on-write of the trainer's memory (its minor page faults are printed).
 
 ``--decode-ms X`` makes every full block read X ms slower (sleeps: a stand-in for an expensive decode on
 other cores, e.g. a subword tokenizer or a remote read). Blocks are read a window at a time, so use a
-small ``--buffer-size`` (blocks per slot and window; 2 gives a window every ~20 steps here) to see it:
+small ``--buffer-size`` (blocks per batch slot and window; 2 gives a window every ~20 steps here) to see it:
 in process the step pays for it, workers read ahead and hide it.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_loader_workers.py [--workers 2] [--steps 20] [--rounds 5]
         [--decode-ms 0] [--buffer-size 16]
+
+``--data-only N``: no training; read N batches from ``ShardLoader(num_workers=W)`` (after the first) and print
+the consuming process's CPU, the workers' CPU and the wall time per batch, and the process's peak RSS: the
+data side alone, which the training steps of a 2-core machine drown.
 """
 from __future__ import annotations
 
@@ -63,17 +63,10 @@ def slow_reads(ms: float) -> None:
     stream_mod.read_block = slow
 
 
-def same_batches_in_process(shards: str, workers: int, chunk: int, **kw):
-    """The batch sequence of ``ShardLoader(shards, num_workers=workers, chunk=chunk, **kw)`` made in this
-    process: virtual slot v is ``ShardStream(rank=v, world_size=workers)``; slots take turns by chunk."""
-    streams = [stream_mod.ShardStream(shards, "train", rank=v, world_size=workers, **kw) for v in range(workers)]
-    its = [iter(s) for s in streams]
-    while True:
-        for s, it in zip(streams, its):
-            while True:
-                yield next(it)
-                if s.position().batch % chunk == 0:
-                    break
+def same_batches_in_process(shards: str, **kw):
+    """The batch sequence of ``ShardLoader(shards, num_workers=W, **kw)`` made in this process: the stream's own
+    (the workers read whole windows in turn, the loader yields them in order)."""
+    yield from stream_mod.ShardStream(shards, "train", **kw)
 
 
 def children_cpu() -> float:
@@ -111,11 +104,25 @@ def train_steps(model, opt, it, steps: int) -> dict:
 def check_same(shards: str, workers: int, n: int, **kw) -> None:
     """The in-process sequence equals the workers' one (first ``n`` batches), or stop."""
     a = iter(ShardLoader(shards, "train", num_workers=workers, **kw))
-    b = same_batches_in_process(shards, workers, 8, **kw)
+    b = same_batches_in_process(shards, **kw)
     for i in range(n):
         x, y = next(a), next(b)
         if not (torch.equal(x.src, y.src) and torch.equal(x.tgt_out, y.tgt_out)):
             raise SystemExit(f"batch {i} differs between the workers and the in-process sequence")
+
+
+def data_only(args, **kw) -> None:
+    it = iter(ShardLoader(args.shards, "train", num_workers=args.workers, **kw))
+    next(it)  # the fork and the first window
+    n = args.data_only
+    c0, k0, t0 = time.process_time(), children_cpu(), time.perf_counter()
+    for _ in range(n):
+        next(it)
+    per = {"consumer CPU": time.process_time() - c0, "workers CPU": children_cpu() - k0,
+           "wall": time.perf_counter() - t0}
+    print(f"load average {os.getloadavg()[0]:.2f}; {n} batches, {args.workers} workers: "
+          + ", ".join(f"{k} {1000 * v / n:.3f} ms" for k, v in per.items()) + " per batch; peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 
 
 def report(args, rows: dict, start: dict) -> None:
@@ -149,12 +156,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=6000)
     ap.add_argument("--buffer-size", type=int, default=16, help="blocks per slot and shuffle window")
     ap.add_argument("--decode-ms", type=float, default=0.0, help="extra milliseconds per full block read")
+    ap.add_argument("--data-only", type=int, default=0, metavar="N", help="no training: N batches, the data side's CPU")
     args = ap.parse_args()
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     kw = dict(max_tokens=args.max_tokens, max_bytes=160, seed=1, buffer_size=args.buffer_size)
+    if args.data_only:
+        data_only(args, **kw)
+        return 0
     check_same(args.shards, args.workers, 24, **kw)
     if args.decode_ms:
         slow_reads(args.decode_ms)
@@ -163,7 +174,7 @@ def main() -> int:
                       dropout=0.1, max_positions=256)
     model = build_model(cfg, ByteVocab(load_manifest(args.shards).languages).size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    src = {"in-process": same_batches_in_process(args.shards, args.workers, 8, **kw)}
+    src = {"in-process": same_batches_in_process(args.shards, **kw)}
     b0 = next(src["in-process"])  # batch 0: warm-up twice in process, then the first step after the fork
     train_steps(model, opt, iter([b0]), 1)  # cold: first allocations
     start = {"p": train_steps(model, opt, iter([b0]), 1)}

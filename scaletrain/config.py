@@ -72,13 +72,15 @@ class DataConfig:
     """Longest side kept, in tokens (bytes, or subword tokens with ``tokenizer: spm``); longer sides are
     truncated (language tag and EOS kept). >= 1, and ``max_bytes + 2 <= model.max_positions``."""
     buffer_size: int = 64
-    """Blocks per rank per shuffle window (>= 1); larger = tighter length buckets (less padding), more memory."""
+    """Blocks per batch slot per shuffle window (>= 1; a rank reads ``engine.grad_accum`` slots); larger = tighter
+    length buckets (less padding), more memory."""
     seed: int = 1
     """Seed of the shuffle and the language sampling (>= 0)."""
     num_workers: int | str = "auto"
     """DataLoader worker processes per rank feeding the stream (0 = in the training process). ``auto``: 2 for
     remote shards or on an accelerator with >= 4 host cores per rank, 1 on a CPU host with an idle core per
-    rank beside the training threads, else 0 (scaletrain.data.loader.auto_num_workers)."""
+    rank beside the training threads, else 0 (scaletrain.data.loader.auto_num_workers). The batches do not depend
+    on it: a checkpoint resumes with any count."""
     temperature: float = 1.0
     """Language-pair sampling p ~ n^(1/T) (> 0); 1 = natural proportions, larger = flatter."""
     tokenizer: str = "byte"
@@ -199,7 +201,8 @@ class EngineConfig:
     precision_auto: str = ""
     """Written by the engine when ``precision: auto`` resolves: ``"<choice>: <reason>"`` (informational)."""
     grad_accum: int = 1
-    """Micro-batches per update (>= 1)."""
+    """Micro-batches per update (>= 1). The global batch is data-parallel size x grad_accum batch slots, planned
+    alike however they are spread over ranks (docs/DATA.md)."""
     threads: int = 0
     """CPU threads per rank (>= 0); 0 = usable cores / local ranks."""
     accelerate: str = "ddp"

@@ -5,8 +5,10 @@ writer and readers), ``sources`` (where shard bytes come from: a directory, ``ht
 requests, ``pipe:`` commands; retries, cache), ``spm_models`` (the manifest's record of the SentencePiece
 models and token-length files beside the shards; ``load_shard_vocab``), ``inspect_shards`` (``scaletrain data
 stats`` / ``verify``), ``batch`` (``Batch`` and ``collate``), ``batching`` (token-budget batches for training and
-decoding), ``stream`` (``ShardStream``: the stateful, exactly resumable stream) and ``loader`` (``ShardLoader``:
-the stream from DataLoader worker processes; ``ShardLoader.for_run(cfg.data, split)`` builds a run's loaders).
+decoding), ``stream`` (``ShardStream``: the stateful, exactly resumable stream of a rank's batch slots),
+``position`` (the stream's state; moving it to another batch layout: ``states_for_layout``) and ``loader``
+(``ShardLoader``: the stream from DataLoader worker processes; ``ShardLoader.for_run(cfg.data, split,
+parallel=...)`` builds a run's loaders).
 
 Layer: imports ``scaletrain.vocab`` (the id layout), never the offline preparation
 (``scaletrain.prepare``), models, engines or MLflow. ``example``, ``sources``, ``shards`` and
@@ -44,6 +46,7 @@ _EXPORTS = {
     "decode_batches": "batching",
     "plan_batches": "batching",
     "ShardStream": "stream",
+    "states_for_layout": "position",
     "ShardLoader": "loader",
     "auto_num_workers": "loader",
 }

@@ -8,7 +8,9 @@ example always makes a batch).
   (stable, so ties stay shuffled: consecutive examples are close in *both* lengths, which a sort by one key
   cannot give when a window mixes scripts and both directions), cut with ``B * (S + T) <= max_tokens`` where S
   and T are the padded source/target lengths (``Batch.padded_tokens``), then shuffle the batch order.
-  ``equalise`` splits the largest batches until a slot has the batch count every slot of a window must reach.
+  ``equalise`` splits the largest batches until a slot has the batch count every slot of a window must reach
+  (``equalise_tagged``: the same over batches tagged with their slot, when the stream regroups a window's
+  batches for another number of slots).
 * Decoding (``decode_batches``): longest source first, cut with ``rows * beam * longest source <= budget``
   (the beam-expanded source tokens), at most ``max_sentences`` rows.
 
@@ -115,16 +117,22 @@ def plan_batches(
 
 def equalise(batches: list[np.ndarray], target: int) -> list[np.ndarray]:
     """Split the largest batches (first one on ties) until there are ``target`` batches, if possible."""
-    batches = list(batches)
-    while len(batches) < target:
-        sizes = [len(b) for b in batches]
+    return [b for _, b in equalise_tagged([(None, b) for b in batches], target)]
+
+
+def equalise_tagged(items: list[tuple], target: int) -> list[tuple]:
+    """``equalise`` over ``(tag, batch)`` pairs: both halves of a split batch keep its tag (the stream's tag is
+    the batch slot whose examples the batch indexes)."""
+    items = list(items)
+    while len(items) < target:
+        sizes = [len(b) for _, b in items]
         if not sizes or max(sizes) < 2:
             break
         i = int(np.argmax(sizes))
-        b = batches[i]
+        tag, b = items[i]
         k = len(b) // 2
-        batches[i : i + 1] = [b[:k], b[k:]]
-    return batches
+        items[i : i + 1] = [(tag, b[:k]), (tag, b[k:])]
+    return items
 
 
 def decode_batches(lengths: Sequence[int], batch_tokens: int, beam: int, max_sentences: int | None = None

@@ -6,8 +6,8 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
   order (the same lines at every evaluation and after a resume).
 * :class:`BleuValidator` - decodes the subset (greedy by default) and scores it with
   :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
-  averages). With several ranks every rank decodes its own share (lines ``rank::world_size``), the
-  hypotheses are all-gathered, and every rank scores the complete subset, so all ranks hold the same
+  averages). With several data-parallel ranks every one decodes its own share (lines ``dp_rank::dp_size``
+  of the parallel context), the hypotheses are all-gathered over the data-parallel group, and every rank scores the complete subset, so all ranks hold the same
   numbers (and can take the same early-stopping decision) and the result equals a single-process run.
 * The module to decode with comes from ``Engine.inference_module()``: the engine alone knows whether its
   parameters are partitioned (ZeRO-3) and a full copy must be gathered first.
@@ -68,7 +68,8 @@ class ValidationResult:
     hypotheses: list[str] = field(repr=False, default_factory=list)  # in subset order
 
 
-def _all_gather_objects(obj, world_size: int) -> list:
+def _all_gather_objects(obj, world_size: int, group=None) -> list:
+    """``obj`` of every rank of ``group`` (None: the default group), ``world_size`` of them."""
     import torch.distributed as dist
 
     if world_size == 1:
@@ -79,7 +80,7 @@ def _all_gather_objects(obj, world_size: int) -> list:
             "(or pass gather=...)"
         )
     out = [None] * world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -133,14 +134,15 @@ class BleuValidator:
         """Indices of the subset this rank decodes (interleaved, so long and short lines spread evenly)."""
         return list(range(rank, len(self.examples), world_size))
 
-    def run(self, model, *, rank: int = 0, world_size: int = 1,
+    def run(self, model, *, rank: int = 0, world_size: int = 1, group=None,
             gather: Callable[[object], list] | None = None,
             progress: Callable[[int], None] | None = None) -> ValidationResult:
         """Decode this rank's share with ``model`` (no collectives, except a ``LockstepDecoder``'s under
         expert parallelism, joined to the end by ``finish()``), gather every rank's hypotheses (a
-        collective: all ranks must call ``run``), score the whole subset. ``gather(obj) -> [obj of each
-        rank]`` defaults to ``torch.distributed.all_gather_object``; ``progress(n)`` is called after each
-        decoded batch of this rank with its number of lines."""
+        collective: all ranks must call ``run``), score the whole subset. ``rank``/``world_size``: the
+        data-parallel rank and size that split the lines, ``group`` their process group (None: the default
+        group). ``gather(obj) -> [obj of each rank]`` defaults to ``torch.distributed.all_gather_object`` over
+        ``group``; ``progress(n)`` is called after each decoded batch of this rank with its number of lines."""
         if not (0 <= rank < world_size):
             raise ScaletrainError(f"BleuValidator.run: rank {rank} outside world size {world_size}")
         t0 = time.time()
@@ -153,7 +155,7 @@ class BleuValidator:
             mine = list(zip(idx, res.texts, res.invalid))
         if hasattr(model, "finish"):  # lock-step decoding (expert parallelism): join the other ranks' batches
             model.finish()
-        parts = gather(mine) if gather is not None else _all_gather_objects(mine, world_size)
+        parts = gather(mine) if gather is not None else _all_gather_objects(mine, world_size, group)
         hyps: list[str | None] = [None] * len(self.examples)
         invalid = [0] * len(self.examples)
         for part in parts:

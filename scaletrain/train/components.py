@@ -252,7 +252,7 @@ class Evaluator:
 
     def validation_loss(self) -> float:
         d, eng = self.cfg.data, self.engine
-        stream = ShardLoader.for_run(d, "valid", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab)
+        stream = ShardLoader.for_run(d, "valid", parallel=eng.parallel, vocab=self.vocab)
         oom = OomPolicy.for_run(self.cfg, eng)  # a batch out of memory: stop naming it, or leave it out
         res = validation(eng, self.unit, stream, self.cfg.train.valid_max_batches, oom=oom,
                          where=f"validation at step {self.state.step}")
@@ -272,12 +272,12 @@ class Evaluator:
         return v
 
     def bleu_scores(self) -> dict[str, float]:
-        eng = self.engine
+        eng, dp = self.engine, self.engine.parallel  # the lines are split over the data-parallel ranks
         model = eng.inference_module(self.build_model)  # collective where parameters are partitioned
         shown = self.progress or ProgressDisplay(False, 0, 0)
-        with shown.task(len(self.bleu.share(eng.rank, eng.world_size)), "valid BLEU (rank 0's lines)") as advance:
-            res = self.bleu.run(model, rank=eng.rank, world_size=eng.world_size,  # collective (all_gather_object)
-                                progress=advance)
+        with shown.task(len(self.bleu.share(dp.dp_rank, dp.dp_size)), "valid BLEU (rank 0's lines)") as advance:
+            res = self.bleu.run(model, rank=dp.dp_rank, world_size=dp.dp_size, group=dp.dp_group,
+                                progress=advance)  # collective (all_gather_object over the data-parallel group)
         del model
         self.unit.routing(reset=True)
         eng.train(True)

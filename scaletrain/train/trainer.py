@@ -86,7 +86,7 @@ class Trainer:
         eng.setup(model)
         apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
         self.stream = stream if stream is not None else ShardLoader.for_run(
-            cfg.data, "train", rank=eng.rank, world_size=eng.world_size, vocab=self.vocab,
+            cfg.data, "train", parallel=eng.parallel, grad_accum=cfg.engine.grad_accum, vocab=self.vocab,
             num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
         self.state = TrainState()

@@ -15,7 +15,6 @@ for any layout; OUT/NAME/params_rank{r}.pt holds the consolidated parameters).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ def _gathered_expert_grads(module, ctx) -> dict[str, torch.Tensor]:
 def grads_job(out: Path, shards: str, job: dict) -> None:
     from scaletrain.cli import _setup_logging
     from scaletrain.config import load_config
+    from scaletrain.engine import build_engine
     from scaletrain.parallel.grads import ExpertParallelGrads
     from scaletrain.train import Trainer
 
@@ -49,19 +49,20 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
     d = out / job["name"]
     d.mkdir(parents=True, exist_ok=True)
     cfg = load_config("small", [f"data.shards={shards}", f"train.out_dir={d}", *TINY, *job["overrides"]])
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = Trainer(cfg, stream=Replay(fixed_batches(shards, world), rank, world, 1))
-    eng = trainer.engine
-    batch = fixed_batches(shards, world)[rank].to(eng.device)
+    eng = build_engine(cfg)
+    dp = eng.parallel  # the data split: the parallel context's data-parallel rank and size
+    batches = fixed_batches(shards, dp.dp_size)
+    trainer = Trainer(cfg, engine=eng, stream=Replay(batches, dp.dp_rank, dp.dp_size, 1))
+    batch = batches[dp.dp_rank].to(eng.device)
     eng.train(True)
     loss_sum, _, ntok = trainer.unit.loss(batch)
     total = eng.all_reduce_sum([float(ntok)])[0]
-    eng.backward(loss_sum * world / total)  # the engines average over the world
+    eng.backward(loss_sum * eng.world_size / total)  # the engines average over the world
     ep = ExpertParallelGrads(eng.module, eng.parallel)
     if ep.active:
         ep.reduce(dense=cfg.engine.backend == "deepspeed")  # DDP already averaged the dense gradients
     grads = _gathered_expert_grads(eng.module, ep.ctx)
-    torch.save(grads, d / f"grads_rank{rank}.pt")
+    torch.save(grads, d / f"grads_rank{eng.rank}.pt")
     # parameters this rank holds that got no gradient (an owned MoCE expert is empty off its owner)
     no_grad = [n for n, p in eng.module.named_parameters() if p.grad is None and p.numel()]
     write_info(d, eng, trainer.param_counts["total"], no_grad=no_grad)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -137,6 +136,7 @@ def fixed_batch_loss(model, batch: Batch, label_smoothing: float) -> float:
 def run_job(out: Path, shards: str, job: dict) -> None:
     from scaletrain.cli import _setup_logging
     from scaletrain.config import load_config
+    from scaletrain.engine import build_engine
     from scaletrain.train import Trainer
 
     _setup_logging(False)
@@ -145,22 +145,19 @@ def run_job(out: Path, shards: str, job: dict) -> None:
     d.mkdir(parents=True, exist_ok=True)
     overrides = [f"data.shards={shards}", f"train.out_dir={d}", *TINY, *job.get("overrides", [])]
     cfg = load_config("small", overrides)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    eng = build_engine(cfg)
+    dp, gas = eng.parallel, cfg.engine.grad_accum  # the data split: the parallel context's data-parallel rank
     stream = None
     if job.get("replay", True):
-        steps = cfg.train.max_steps
-        need = steps * world * cfg.engine.grad_accum * job.get("merge", 1)
-        stream = Replay(fixed_batches(shards, need), rank, world, cfg.engine.grad_accum, job.get("merge", 1))
+        need = cfg.train.max_steps * dp.dp_size * gas * job.get("merge", 1)
+        stream = Replay(fixed_batches(shards, need), dp.dp_rank, dp.dp_size, gas, job.get("merge", 1))
     if job.get("record"):
         from scaletrain.data.loader import ShardLoader
 
-        inner = stream or ShardLoader.for_run(cfg.data, "train", rank=rank, world_size=world)
-        stream = Recording(inner)
-    trainer = Trainer(cfg, stream=stream)
+        stream = Recording(stream or ShardLoader.for_run(cfg.data, "train", parallel=dp, grad_accum=gas))
+    trainer = Trainer(cfg, engine=eng, stream=stream)
     res = trainer.fit()
     trainer.close()
-    eng = trainer.engine
     params = eng.full_state_dict()
     probe = fixed_batches(shards, 1, max_tokens=600, max_bytes=40)[0]
     from scaletrain.models import build_model
