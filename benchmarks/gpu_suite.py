@@ -5,7 +5,7 @@
     bash benchmarks/gpu_suite.sh                # the same, with the project's environment
     python benchmarks/gpu_suite.py --benches variants,moe,decode --json rows.json   # benchmarks/gpu_check.sh
 
-Tests (PASS/FAIL/SKIP rows; every one has a CPU twin that CI runs, tests/integration/test_gpu_suite_cpu.py):
+Tests (PASS/FAIL/SKIP rows; every one has a CPU twin that CI runs, in benchmarks/gpu_check.sh --cpu):
   step/<variant>/<bf16|fp16>  one training step of every model variant under autocast (fp16 with a
                               GradScaler at 65536; the CPU runs fp16 autocast too): finite loss, the step
                               not skipped, every trainable parameter moves
