@@ -36,7 +36,8 @@ Benchmarks (CUDA only; on CPU a tiny smoke run of the same code, numbers not mea
   every variant's step time relative to the byte Transformer, beam-4 decoding sentences/s, and the
   moe_base / moce_d5_moe step relative to a dense model of the same active FLOPs (the MoE layers'
   FFN k times as wide, k = top_k).
-``--benches`` picks the benchmarks (engine: the DeepSpeed-engine throughput, compiled on CUDA, the slowest;
+``--skip NAMES`` leaves checks out (a SKIP row each; e.g. ``compile``, whose inductor compile takes a minute
+of a GPU window). ``--benches`` picks the benchmarks (engine: the DeepSpeed-engine throughput, compiled on CUDA, the slowest;
 variants; moe; decode; default all); ``--json PATH`` writes the rows as they come ({name, result, detail}), so a
 run stopped from outside leaves the rows it had.
 Exit status: 1 if a test FAILed, else 0 (also on a machine without CUDA).
@@ -82,9 +83,15 @@ def save_rows(complete: bool) -> None:
                                                                    for n, r, d in ROWS]}, indent=1))
 
 
+SKIPPED: list[str] = []  # --skip: checks not run here, each a SKIP row
+
+
 def check(name):
     """Decorator-free runner: call fn, record PASS / FAIL with the exception."""
     def run(fn, *a, **kw):
+        if any(name == s or name.startswith(s + "/") for s in SKIPPED):
+            row(name, "SKIP", "--skip")
+            return
         try:
             detail = fn(*a, **kw)
             row(name, "PASS", detail or "")
@@ -643,7 +650,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="variants for the per-variant steps")
     ap.add_argument("--benches", default=",".join(BENCHES), help=f"benchmarks to run, of {','.join(BENCHES)}")
     ap.add_argument("--json", default="", help="write the rows here (rewritten after each)")
+    ap.add_argument("--skip", default="", help="checks not to run, by name or name prefix (e.g. compile,init-loss)")
     args = ap.parse_args(argv)
+    SKIPPED.extend(x for x in args.skip.split(",") if x)
     benches = [b for b in args.benches.split(",") if b]
     if set(benches) - set(BENCHES):
         ap.error(f"unknown benchmarks {sorted(set(benches) - set(BENCHES))}; choose from {', '.join(BENCHES)}")
