@@ -4,7 +4,7 @@
 # this script installs them the same way when DeepSpeed is missing).
 #
 #   OUT=DIR bash benchmarks/gpu_compare.sh          # on the GPU machine; default OUT: ./gpu_compare_out
-#   OUT=DIR bash benchmarks/gpu_compare.sh --cpu    # two models at toy size on the CPU, a minute
+#   OUT=DIR bash benchmarks/gpu_compare.sh --cpu    # two models at toy size on the CPU, half a minute each
 #
 # What it runs: the catalogs corpus with its SentencePiece model (the subword baseline needs it) unless SHARDS
 # holds one, then `scaletrain compare-models --size small` for the seven runs (byte Transformer seeds 1 and 2,
@@ -38,8 +38,9 @@ log() { echo "[gpu_compare $(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/compare.
 if [[ $cpu == 1 ]]; then
   budget="${GPU_COMPARE_BUDGET_S:-600}"; SHARDS="${SHARDS:-$WORK/shards/compare}"
   models="${GPU_COMPARE_MODELS:-base,msc}"; size=tiny; per_run=60
+  GPU_COMPARE_MINUTES="${GPU_COMPARE_MINUTES:-0.5}"
   export SCALETRAIN_AUTO_PRECISION=fp32 DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  extra=(--base-seeds 1 --set model.d_model=64 --set model.ffn_dim=128 --set model.n_heads=2 --set data.max_bytes=96
+  extra=(--base-seeds 1 --set model.d_model=64 --set model.ffn_dim=128 --set data.max_bytes=96
          --set model.max_positions=128 --set train.valid_every=0 --set train.save_every=0)
 else
   budget="${GPU_COMPARE_BUDGET_S:-540}"; SHARDS="${SHARDS:-$ROOT/shards/catalogs}"
