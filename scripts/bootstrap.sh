@@ -12,15 +12,16 @@
 #   dependency wanting another torch fails the install instead). What pip installs goes into .venv and
 #   shadows that environment's copies; that environment is not changed;
 # - a GPU and no torch anywhere: the registry's (CUDA) torch.
-# If pip cannot install the dependencies (no package index reachable), the wheels of ROOT/wheels (made by
+# If pip cannot install the dependencies (no package index reachable), the wheels of $SCALETRAIN_WHEELS (made by
 # scripts/gpu_wheels.sh where an index is reachable: DeepSpeed and what a GPU image lacks) are installed
 # when there are any, scaletrain is put on .venv's path with a `scaletrain` command, and the modules still
 # missing are listed in one line (the GPU suite's model checks need only torch, numpy and pyyaml); no stamp
 # is written, so the next run tries again.
 #
 # Environment: PYTHON (default python3); SCALETRAIN_VENV (default ROOT/.venv; "none" installs into
-# $PYTHON's own environment, torch pinned the same way); SCALETRAIN_BOOTSTRAP_ASSUME_GPU=1 treats the
-# machine as a GPU machine without asking nvidia-smi (tests).
+# $PYTHON's own environment, torch pinned the same way); SCALETRAIN_WHEELS (default ROOT/wheels: the wheel
+# directory used when no index is reachable); SCALETRAIN_BOOTSTRAP_ASSUME_GPU=1 treats the machine as a GPU
+# machine without asking nvidia-smi (tests).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SCALETRAIN_VENV:-$ROOT/.venv}"
@@ -63,7 +64,7 @@ install_deps() {  # $1: python of the target environment; pip may use $constrain
 }
 
 without_deps() {  # pip failed: the wheels brought along, scaletrain on the path, the missing modules named
-  local py="$1" site wheels="$ROOT/wheels"
+  local py="$1" site wheels="${SCALETRAIN_WHEELS:-$ROOT/wheels}"
   site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "$ROOT" > "$site/_scaletrain_src.pth"
   if compgen -G "$wheels/*.whl" > /dev/null; then  # scripts/gpu_wheels.sh: what a GPU image lacks
