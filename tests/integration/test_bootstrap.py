@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, make_wheel
 
 FAKE = "2.11.0+cu130"
 
@@ -75,20 +75,6 @@ def test_gpu_image_torch_is_used_as_it_is(tmp_path, kind):
     assert sorted(x.name for x in site.iterdir() if "torch" in x.name) == ["torch", f"torch-{FAKE}.dist-info"]
 
 
-def probe_wheel(d: Path) -> Path:
-    """A made-up wheel that needs torch, as DeepSpeed's does: pip must take torch from the image."""
-    import zipfile
-
-    d.mkdir()
-    with zipfile.ZipFile(d / "wheelprobe-1.0-py3-none-any.whl", "w") as z:
-        z.writestr("wheelprobe/__init__.py", "__version__ = '1.0'\n")
-        info = "wheelprobe-1.0.dist-info/"
-        z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: wheelprobe\nVersion: 1.0\nRequires-Dist: torch>=2.4\n")
-        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(info + "RECORD", "")
-    return d
-
-
 @pytest.mark.slow
 def test_gpu_image_without_index_installs_the_wheels_brought_along(tmp_path):
     """No index: the wheel directory (scripts/gpu_wheels.sh's) is installed into .venv, its dependencies met by
@@ -98,7 +84,7 @@ def test_gpu_image_without_index_installs_the_wheels_brought_along(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PYTHON=str(image / "bin" / "python"), SCALETRAIN_VENV=str(venv), PIP_CONFIG_FILE=os.devnull,
                PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", SCALETRAIN_BOOTSTRAP_ASSUME_GPU="1",
-               SCALETRAIN_WHEELS=str(probe_wheel(tmp_path / "wheels")))
+               SCALETRAIN_WHEELS=str(make_wheel(tmp_path / "wheels", "wheelprobe", ("torch>=2.4",)).parent))
     p = subprocess.run(["bash", "scripts/bootstrap.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out

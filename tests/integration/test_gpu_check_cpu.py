@@ -2,8 +2,9 @@
 summary holds real figures; a step that fails or runs out of time leaves the others' results.
 
 One full run is shared by the assertions (it also covers what the CPU smoke runs of
-``benchmarks/bench_gpu_step.py`` and ``benchmarks/gpu_suite.py`` checked: every CPU variant of the step
-benchmark builds, trains at both budgets and is counted; every GPU-suite check's CPU twin passes). A second,
+``benchmarks/bench_gpu_step.py`` and ``benchmarks/gpu_suite.py`` checked: the step benchmark's ds, ds-compiled,
+acc-compiled and hf variants build, train at both budgets and are counted, HF's compiled one being left to the
+GPU; every GPU-suite check's CPU twin passes). A second,
 short run plants faults through a stand-in Python: the step benchmark crashes, the suite hangs past its
 limit, and the install step installs a wheel made here (the GPU machine's path: wheels onto PYTHONPATH)."""
 from __future__ import annotations
@@ -13,12 +14,11 @@ import os
 import stat
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, make_wheel
 
 pytestmark = pytest.mark.slow
 
@@ -128,19 +128,6 @@ def test_targets_table(full):
     assert (t["groups_above_copy"]["status"] == "met") == all(x["chrf"] > x["copy_chrf"] for x in groups)
 
 
-def fake_wheel(d: Path) -> Path:
-    """A pure-Python wheel of module ``gpucheck_probe``, as scripts/gpu_wheels.sh brings DeepSpeed's."""
-    d.mkdir()
-    w = d / "gpucheck_probe-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(w, "w") as z:
-        z.writestr("gpucheck_probe/__init__.py", "__version__ = '1.0'\n")
-        info = "gpucheck_probe-1.0.dist-info/"
-        z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: gpucheck_probe\nVersion: 1.0\n")
-        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(info + "RECORD", "")
-    return d
-
-
 def test_a_failing_and_a_hanging_step_leave_the_others(tmp_path):
     """A stand-in Python: the step benchmark exits 3 at once, the suite sleeps past its 8 s limit; the wheel
     directory holds a made-up wheel, which the install step must put on every later step's path."""
@@ -156,7 +143,7 @@ exec {sys.executable} "$@"
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     p = gpu_check(out, tmp_path / "work", "--steps", "install,env,bench,suite", GPU_CHECK_PYTHON=str(shim),
-                  WHEELS=str(fake_wheel(tmp_path / "wheels")), GPU_CHECK_TIMEOUT_SUITE="8")
+                  WHEELS=str(make_wheel(tmp_path / "wheels", "gpucheck_probe").parent), GPU_CHECK_TIMEOUT_SUITE="8")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     steps = {r["step"]: r for r in s["steps"]}
