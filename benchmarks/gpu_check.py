@@ -171,6 +171,7 @@ def read_steps(out: Path) -> list[dict]:
 STEP_LINE = re.compile(r"step\s+(\d+) \| loss ([\d.]+) \| nll ([\d.]+) \| lr \S+ \| gnorm \S+ \|\s+([\d.]+) tgt tok/s"
                        r"(?: \| mfu ([\d.]+)%)?")
 VALID_LINE = re.compile(r"step\s+(\d+) \| valid nll ([\d.]+)")
+PEAK_LINE = re.compile(r"MFU peak per device: .*?([\d.]+) ([TG])FLOP/s")
 
 
 def job_log(path: Path) -> dict | None:
@@ -182,13 +183,23 @@ def job_log(path: Path) -> dict | None:
         return None
     steps = [m.groups() for m in STEP_LINE.finditer(text)]
     valid = [(int(s), float(v)) for s, v in VALID_LINE.findall(text)]
-    res = {"log_lines": len(steps), "valid_nll": valid[-1][1] if valid else None}
+    peak = PEAK_LINE.search(text)
+    res = {"log_lines": len(steps), "valid_nll": valid[-1][1] if valid else None,
+           "mfu_peak_flops": float(peak.group(1)) * (1e12 if peak.group(2) == "T" else 1e9) if peak else None}
     if steps:
         late = steps[len(steps) // 2:]
         mfu = [float(x[4]) / 100 for x in late if x[4]]
         res.update(last_step=int(steps[-1][0]), last_loss=float(steps[-1][1]), last_nll=float(steps[-1][2]),
                    tgt_tokens_per_s=statistics.median(float(x[3]) for x in late), mfu=statistics.median(mfu) if mfu else None)
     return res
+
+
+def job_mfu_measured(t: dict | None, bench: dict | None) -> dict | None:
+    """The job's MFU is against its log's peak (the GPU's data sheet); beside it, against the GEMM peak the step
+    benchmark measured in this run, as the benchmark's own MFU is."""
+    if t and t.get("mfu") is not None and t.get("mfu_peak_flops") and bench and bench.get("peak_flops"):
+        t["mfu_vs_measured_peak"] = t["mfu"] * t["mfu_peak_flops"] / bench["peak_flops"]
+    return t
 
 
 def group_scores(ev: dict) -> list[dict]:
@@ -336,7 +347,7 @@ def build_summary(out: Path, args) -> dict:
                   "counts": {k: sum(1 for r in suite_rows if r["result"] == k) for k in ("PASS", "FAIL", "SKIP")}}
         if suite else None,
         "job": {"corpus": corpus_summary(out / "corpus.log"), "train_minutes": args.train_minutes,
-                "train": job_log(out / "train.log"), "eval": ev},
+                "train": job_mfu_measured(job_log(out / "train.log"), bench), "eval": ev},
         "launch": launch,
         "targets": [{"key": k, "what": what, "threshold": thr, **targets[k]} for k, what, thr in TARGETS],
     }
@@ -402,9 +413,12 @@ def md_job(s: dict) -> list[str]:
     t, ev = j["train"], j["eval"]
     lines = ["", "## The job (catalogs_gpu)", "", f"Corpus: {j['corpus'] or 'not built (corpus.log)'}"]
     if t and t.get("last_step"):
+        peak = fmt(t["mfu_peak_flops"] and t["mfu_peak_flops"] / 1e12, ".3g")
         lines.append(f"Training ({j['train_minutes']} min budget): {t['last_step']} updates, loss {t['last_loss']:.3f}, "
                      f"valid nll {fmt(t['valid_nll'], '.3f')}; {t['tgt_tokens_per_s']:,.0f} target tokens/s, MFU "
-                     f"{fmt(t['mfu'] and 100 * t['mfu'], '.1f')}% (the job's own log, medians of its later intervals).")
+                     f"{fmt(t['mfu'] and 100 * t['mfu'], '.1f')}% of the log's peak ({peak} TFLOP/s), "
+                     f"{fmt(t.get('mfu_vs_measured_peak') and 100 * t['mfu_vs_measured_peak'], '.1f')}% of the step "
+                     "benchmark's measured GEMM peak (the job's own log, medians of its later intervals).")
     else:
         lines.append("Training: no log lines (see train.log)")
     if not ev:

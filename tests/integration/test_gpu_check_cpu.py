@@ -94,7 +94,8 @@ def test_the_job_trained_evaluated_and_is_scored_against_copying(full):
     assert job["corpus"].startswith("wrote ") and "test" in job["corpus"] and "2 languages (+ en)" in job["corpus"]
     t = job["train"]
     assert t["last_step"] == 8 and t["log_lines"] == 2 and t["tgt_tokens_per_s"] > 0 and 0 < t["mfu"] < 1
-    assert 0 < t["last_loss"] < 20
+    assert 0 < t["last_loss"] < 20 and t["mfu_peak_flops"] > 1e8  # CPU: the GEMM probe's GFLOP/s, from the log
+    assert t["mfu_vs_measured_peak"] == pytest.approx(t["mfu"] * t["mfu_peak_flops"] / s["bench"]["peak_flops"])
     ev = job["eval"]
     assert ev["beam"] == 2 and ev["step"] == 8 and ev["lines"] == 8 * 4  # 8 lines x de/ru <-> en
     scores = {x["name"]: x for x in ev["scores"]}
