@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 ROOT="$PWD"
 cpu=0
 [[ "${1:-}" == --cpu ]] && cpu=1
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0; }
 OUT="${OUT:-$ROOT/gpu_compare_out}"
 WORK="${GPU_CHECK_WORK:-$ROOT/.gpu_check}"
 mkdir -p "$OUT" "$WORK" || exit 0
