@@ -3,8 +3,9 @@
     python benchmarks/gpu_suite.py              # CUDA if there is one, else the CPU parts (tiny sizes), exit 0
     python benchmarks/gpu_suite.py --cpu        # the CPU parts even where CUDA exists (what CI runs)
     bash benchmarks/gpu_suite.sh                # the same, with the project's environment
+    python benchmarks/gpu_suite.py --benches variants,moe,decode --json rows.json   # benchmarks/gpu_check.sh
 
-Tests (PASS/FAIL/SKIP rows; every one has a CPU twin that CI runs, tests/integration/test_gpu_suite_cpu.py):
+Tests (PASS/FAIL/SKIP rows; every one has a CPU twin that CI runs, in benchmarks/gpu_check.sh --cpu):
   step/<variant>/<bf16|fp16>  one training step of every model variant under autocast (fp16 with a
                               GradScaler at 65536; the CPU runs fp16 autocast too): finite loss, the step
                               not skipped, every trainable parameter moves
@@ -35,6 +36,10 @@ Benchmarks (CUDA only; on CPU a tiny smoke run of the same code, numbers not mea
   every variant's step time relative to the byte Transformer, beam-4 decoding sentences/s, and the
   moe_base / moce_d5_moe step relative to a dense model of the same active FLOPs (the MoE layers'
   FFN k times as wide, k = top_k).
+``--skip NAMES`` leaves checks out (a SKIP row each; e.g. ``compile``, whose inductor compile takes a minute
+of a GPU window). ``--benches`` picks the benchmarks (engine: the DeepSpeed-engine throughput, compiled on CUDA, the slowest;
+variants; moe; decode; default all); ``--json PATH`` writes the rows as they come ({name, result, detail}), so a
+run stopped from outside leaves the rows it had.
 Exit status: 1 if a test FAILed, else 0 (also on a machine without CUDA).
 """
 from __future__ import annotations
@@ -61,16 +66,32 @@ from scaletrain.vocab import BYTE_OFFSET, LANG_OFFSET, PAD  # noqa: E402
 N_LANGS = 8
 VOCAB = LANG_OFFSET + N_LANGS
 ROWS: list[tuple[str, str, str]] = []  # (name, result, detail)
+JSON_OUT: list[Path] = []  # --json: rewritten after every row
 
 
 def row(name, result, detail=""):
     ROWS.append((name, result, detail))
     print(f"{name:34s} {result:5s} {detail}", flush=True)
+    save_rows(complete=False)
+
+
+def save_rows(complete: bool) -> None:
+    import json
+
+    for path in JSON_OUT:
+        path.write_text(json.dumps({"complete": complete, "rows": [dict(name=n, result=r, detail=d)
+                                                                   for n, r, d in ROWS]}, indent=1))
+
+
+SKIPPED: list[str] = []  # --skip: checks not run here, each a SKIP row
 
 
 def check(name):
     """Decorator-free runner: call fn, record PASS / FAIL with the exception."""
     def run(fn, *a, **kw):
+        if any(name == s or name.startswith(s + "/") for s in SKIPPED):
+            row(name, "SKIP", "--skip")
+            return
         try:
             detail = fn(*a, **kw)
             row(name, "PASS", detail or "")
@@ -597,19 +618,23 @@ def b_decode(dev, base, batch, src_len, out_len, beam):
                                          f"(batch {batch}, {out_len} steps)")]
 
 
-def run_benches(dev, base, shape, cuda: bool) -> None:
+BENCHES = ("engine", "variants", "moe", "decode")
+
+
+def run_benches(dev, base, shape, cuda: bool, which=BENCHES) -> None:
     """Each benchmark on its own: one that cannot run (e.g. no DeepSpeed here) is a FAIL row, the rest go on."""
     big = dict(batch=32, src=128, tgt=128)
     if cuda:
-        benches = [lambda: b_engine_throughput(dev, [16, 32, 64, 128], 128, steps=5),
-                   lambda: b_variants(dev, base, big, rounds=5),
-                   lambda: b_moe_vs_dense(dev, base, big, rounds=5),
-                   lambda: b_decode(dev, {**base, "max_positions": 256}, batch=64, src_len=64, out_len=64, beam=4)]
+        benches = {"engine": lambda: b_engine_throughput(dev, [16, 32, 64, 128], 128, steps=5),
+                   "variants": lambda: b_variants(dev, base, big, rounds=5),
+                   "moe": lambda: b_moe_vs_dense(dev, base, big, rounds=5),
+                   "decode": lambda: b_decode(dev, {**base, "max_positions": 256}, batch=64, src_len=64, out_len=64,
+                                              beam=4)}
     else:  # smoke run of the same code at tiny size: the numbers mean nothing
-        benches = [lambda: b_variants(dev, base, shape, rounds=1, names=["moce_d5"]),
-                   lambda: b_moe_vs_dense(dev, base, shape, rounds=1),
-                   lambda: b_decode(dev, base, batch=2, src_len=12, out_len=8, beam=4)]
-    for bench in benches:
+        benches = {"variants": lambda: b_variants(dev, base, shape, rounds=1, names=["moce_d5"]),
+                   "moe": lambda: b_moe_vs_dense(dev, base, shape, rounds=1),
+                   "decode": lambda: b_decode(dev, base, batch=2, src_len=12, out_len=8, beam=4)}
+    for bench in (benches[k] for k in which if k in benches):
         try:
             for name, val in bench():
                 row(name, "", val)
@@ -623,7 +648,16 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run the CPU parts even where CUDA is available")
     ap.add_argument("--no-bench", action="store_true", help="tests only")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="variants for the per-variant steps")
+    ap.add_argument("--benches", default=",".join(BENCHES), help=f"benchmarks to run, of {','.join(BENCHES)}")
+    ap.add_argument("--json", default="", help="write the rows here (rewritten after each)")
+    ap.add_argument("--skip", default="", help="checks not to run, by name or name prefix (e.g. compile,init-loss)")
     args = ap.parse_args(argv)
+    SKIPPED.extend(x for x in args.skip.split(",") if x)
+    benches = [b for b in args.benches.split(",") if b]
+    if set(benches) - set(BENCHES):
+        ap.error(f"unknown benchmarks {sorted(set(benches) - set(BENCHES))}; choose from {', '.join(BENCHES)}")
+    if args.json:
+        JSON_OUT.append(Path(args.json))
     cuda = torch.cuda.is_available() and not args.cpu
     dev = torch.device("cuda" if cuda else "cpu")
     if cuda:
@@ -652,13 +686,14 @@ def main(argv=None) -> int:
     check("moe-grouped-gemm")(t_moe_grouped, dev)
     check("max-tokens-auto")(t_max_tokens_auto, dev)
     if not args.no_bench:
-        run_benches(dev, base, shape, cuda)
+        run_benches(dev, base, shape, cuda, benches)
     print("\n" + "=" * 100)
     print(f"{'check / benchmark':34s} {'result':6s} detail   [{dev.type}]")
     for name, res, detail in ROWS:
         print(f"{name:34s} {res:6s} {detail}")
     failed = [n for n, r, _ in ROWS if r == "FAIL"]
     print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    save_rows(complete=True)
     return 1 if failed else 0
 
 

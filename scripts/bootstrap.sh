@@ -12,13 +12,16 @@
 #   dependency wanting another torch fails the install instead). What pip installs goes into .venv and
 #   shadows that environment's copies; that environment is not changed;
 # - a GPU and no torch anywhere: the registry's (CUDA) torch.
-# If pip cannot install the dependencies (no package index reachable), scaletrain is put on .venv's path
-# without them and the missing modules are listed (the GPU suite's model checks need only torch, numpy
-# and pyyaml); no stamp is written, so the next run tries again.
+# If pip cannot install the dependencies (no package index reachable), the wheels of $SCALETRAIN_WHEELS (made by
+# scripts/gpu_wheels.sh where an index is reachable: DeepSpeed and what a GPU image lacks) are installed
+# when there are any, scaletrain is put on .venv's path with a `scaletrain` command, and the modules still
+# missing are listed in one line (the GPU suite's model checks need only torch, numpy and pyyaml); no stamp
+# is written, so the next run tries again.
 #
 # Environment: PYTHON (default python3); SCALETRAIN_VENV (default ROOT/.venv; "none" installs into
-# $PYTHON's own environment, torch pinned the same way); SCALETRAIN_BOOTSTRAP_ASSUME_GPU=1 treats the
-# machine as a GPU machine without asking nvidia-smi (tests).
+# $PYTHON's own environment, torch pinned the same way); SCALETRAIN_WHEELS (default ROOT/wheels: the wheel
+# directory used when no index is reachable); SCALETRAIN_BOOTSTRAP_ASSUME_GPU=1 treats the machine as a GPU
+# machine without asking nvidia-smi (tests).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SCALETRAIN_VENV:-$ROOT/.venv}"
@@ -60,10 +63,20 @@ install_deps() {  # $1: python of the target environment; pip may use $constrain
   "$py" -m pip install "${pip_flags[@]}" "${extra[@]}" -e "$ROOT[dev]"
 }
 
-without_deps() {  # pip failed: scaletrain on the path, the missing modules named
-  local py="$1" site
+without_deps() {  # pip failed: the wheels brought along, scaletrain on the path, the missing modules named
+  local py="$1" site wheels="${SCALETRAIN_WHEELS:-$ROOT/wheels}"
   site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "$ROOT" > "$site/_scaletrain_src.pth"
+  if compgen -G "$wheels/*.whl" > /dev/null; then  # scripts/gpu_wheels.sh: what a GPU image lacks
+    echo "[bootstrap] no package index: installing the wheels of $wheels"
+    "$py" -m pip install "${pip_flags[@]}" --no-index --find-links "$wheels" "$wheels"/*.whl \
+      || echo "[bootstrap] warning: the wheels of $wheels did not install (made for another Python?)"
+  fi
+  local cmd; cmd="$(dirname "$py")/scaletrain"  # the command pip makes, for launch.sh and the user
+  if [[ ! -e "$cmd" ]]; then
+    printf '#!%s\nimport sys\nfrom scaletrain.cli import main\nsys.exit(main())\n' "$py" > "$cmd"
+    chmod +x "$cmd"
+  fi
   local missing
   missing="$("$py" - <<'EOF'
 import importlib.util
@@ -73,7 +86,8 @@ print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))
 EOF
 )"
   echo "[bootstrap] warning: pip could not install scaletrain's dependencies (no package index reachable?);"
-  echo "[bootstrap] scaletrain is importable from $ROOT without them; missing: ${missing:-none}."
+  echo "[bootstrap] scaletrain is importable from $ROOT without them; missing: ${missing:-none}.$(
+    [[ " $missing " == *" mlflow "* ]] && echo " Without mlflow, train with tracking.enabled=false.")"
   echo "[bootstrap] make an index reachable and re-run, or install those into $VENV by hand"
 }
 

@@ -243,3 +243,20 @@ def run_launch_sh(args, cwd, env=None, timeout: float = 900) -> subprocess.Compl
         p.communicate()
         raise
     return subprocess.CompletedProcess(p.args, p.returncode, out, b"")
+
+
+def make_wheel(folder: Path, name: str, requires: tuple[str, ...] = ()) -> Path:
+    """A made-up pure-Python wheel ``<name>-1.0-py3-none-any.whl`` of module ``name`` (``__version__ = '1.0'``) in
+    ``folder`` (created), with ``requires`` as its dependencies: what scripts/gpu_wheels.sh brings, in small."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    whl = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info/"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(f"{name}/__init__.py", "__version__ = '1.0'\n")
+        z.writestr(info + "METADATA", meta)
+        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(info + "RECORD", "")
+    return whl

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, make_wheel
 
 FAKE = "2.11.0+cu130"
 
@@ -73,3 +73,27 @@ def test_gpu_image_torch_is_used_as_it_is(tmp_path, kind):
     assert clash.returncode != 0
     site = next((image / "lib").glob("python*/site-packages"))
     assert sorted(x.name for x in site.iterdir() if "torch" in x.name) == ["torch", f"torch-{FAKE}.dist-info"]
+
+
+@pytest.mark.slow
+def test_gpu_image_without_index_installs_the_wheels_brought_along(tmp_path):
+    """No index: the wheel directory (scripts/gpu_wheels.sh's) is installed into .venv, its dependencies met by
+    the image's packages; the `scaletrain` command exists for launch.sh; one line names what is still missing."""
+    image = gpu_image(tmp_path, conda=False)
+    venv = tmp_path / "ours"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PYTHON=str(image / "bin" / "python"), SCALETRAIN_VENV=str(venv), PIP_CONFIG_FILE=os.devnull,
+               PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", SCALETRAIN_BOOTSTRAP_ASSUME_GPU="1",
+               SCALETRAIN_WHEELS=str(make_wheel(tmp_path / "wheels", "wheelprobe", ("torch>=2.4",)).parent))
+    p = subprocess.run(["bash", "scripts/bootstrap.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert f"no package index: installing the wheels of {tmp_path / 'wheels'}" in out
+    missing = next(line for line in out.splitlines() if "missing:" in line)
+    assert "mlflow" in missing and "wheelprobe" not in missing and "train with tracking.enabled=false" in missing
+    py = str(venv / "bin" / "python")
+    probe = subprocess.run([py, "-c", "import wheelprobe, torch; print(wheelprobe.__file__, torch.__version__)"],
+                           capture_output=True, text=True, env=env, check=True).stdout.split()
+    assert probe[0].startswith(str(venv)) and probe[1] == FAKE  # in .venv; torch still the image's
+    cmd = venv / "bin" / "scaletrain"
+    assert os.access(cmd, os.X_OK) and cmd.read_text().startswith(f"#!{py}\n") and "scaletrain.cli" in cmd.read_text()
