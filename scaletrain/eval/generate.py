@@ -83,6 +83,7 @@ __all__ = [
     "complete_prefix",
     "ratio_limits",
     "train_length_ratios",
+    "decoding_bounds",
     "generate",
     "generate_with_scores",
     "max_output_lengths",
@@ -738,3 +739,17 @@ def train_length_ratios(manifest) -> dict[tuple[int, int], float]:
             if d is not None and d.src_bytes > 0 and d.tgt_bytes > 0:
                 out[(si, ti)] = d.tgt_bytes / d.src_bytes
     return out
+
+
+def decoding_bounds(eval_cfg, shards, max_len_a: float | None = None, max_len_b: int | None = None) -> dict:
+    """The bounds on every decoding of a run's data, ``evaluate`` and the in-training BLEU alike, as keyword
+    arguments of :func:`translate_examples`: the length limit ``max_len_a * src + max_len_b`` (default: the
+    recipe's ``eval.max_len_a`` / ``eval.max_len_b``), the limit from training's target/source byte ratio per
+    direction (:func:`train_length_ratios` of the manifest of ``shards``) and the stop at invalid UTF-8
+    (``eval.stop_invalid_utf8``)."""
+    from scaletrain.data.shards import load_manifest
+
+    return dict(max_len_a=float(eval_cfg.max_len_a if max_len_a is None else max_len_a),
+                max_len_b=int(eval_cfg.max_len_b if max_len_b is None else max_len_b),
+                stop_invalid_utf8=bool(eval_cfg.stop_invalid_utf8),
+                length_ratios=train_length_ratios(load_manifest(shards)))
