@@ -19,7 +19,7 @@ from pathlib import Path
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import train_length_ratios, translate_examples
+from scaletrain.eval.generate import decoding_bounds, translate_examples
 from scaletrain.eval.in_training import first_n_per_direction
 from scaletrain.tracking.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
 from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions
@@ -79,11 +79,9 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
 
         bar = tqdm(total=len(examples), desc=f"decoding {split}", unit="sent", leave=False)
     t0 = time.time()
-    res = translate_examples(
+    res = translate_examples(  # within the bounds the in-training BLEU decodes with too
         model, examples, vocab, batch_tokens=ec.batch_tokens, beam=beam, lenpen=lenpen,
-        max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
-        # a degenerate model stops near training's lengths
-        length_ratios=train_length_ratios(load_manifest(shards)), stop_invalid_utf8=ec.stop_invalid_utf8,
+        progress=(bar.update if bar else None), **decoding_bounds(ec, shards, *max_len),
     )
     secs = time.time() - t0
     if bar:
