@@ -188,7 +188,8 @@ def write_record(result: dict, run_dir: str | Path, hyp_dir: str | Path | None =
 
 def mlflow_metrics(result: dict) -> dict[str, float]:
     """``<split>/bleu/<group>``, ``<split>/chrf/<group>`` (groups: ``->`` as ``2``, spaces as ``_``), the same
-    per direction, and ``<split>/copy_baseline/{bleu,chrf}`` of the copy-the-source baseline."""
+    per direction, ``<split>/copy_baseline/{bleu,chrf}`` of the copy-the-source baseline on every line and
+    ``<split>/copy_baseline_{bleu,chrf}/<group>`` per group (``scaletrain compare --plot`` marks its bars with them)."""
     split = result["split"]
     metrics = {}
     for a in result["report"].averages:
@@ -199,6 +200,9 @@ def mlflow_metrics(result: dict) -> dict[str, float]:
         metrics[f"{split}/bleu/{d.src_lang}-{d.tgt_lang}"] = d.bleu
         metrics[f"{split}/chrf/{d.src_lang}-{d.tgt_lang}"] = d.chrf
     for a in result["baseline"].averages:
+        key = a.name.replace("->", "2").replace(" ", "_")
+        metrics[f"{split}/copy_baseline_bleu/{key}"] = a.bleu
+        metrics[f"{split}/copy_baseline_chrf/{key}"] = a.chrf
         if a.name == "all":
             metrics[f"{split}/copy_baseline/bleu"] = a.bleu
             metrics[f"{split}/copy_baseline/chrf"] = a.chrf
