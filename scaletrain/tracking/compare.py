@@ -340,7 +340,8 @@ def compare(runs: list[RunData], directions: bool = False, evaluation: str | Non
     ``params``: config keys shown even where the runs agree; ``metrics``: other metric keys, each with its
     final, min and max value (load the runs with the same ``metrics`` for min and max)."""
     keys = sorted({k for r in runs for k in r.params})
-    differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in runs}) > 1]
+    known = [r for r in runs if r.params]  # a run without a config (failed before it logged one) differs in nothing
+    differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in known}) > 1]
     shown = differing + [k for k in dict.fromkeys(safe_key(p) for p in params) if k not in differing]
     rows: list[tuple[str, list[Any]]] = [("config: " + k, [r.params.get(k) for r in runs]) for k in shown]
     if "params.total" not in differing and any("params.total" in r.params for r in runs):
@@ -472,7 +473,7 @@ def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: floa
     plt = pyplot()
     chosen = [r.evaluation("test", evaluation) for r in runs]
     groups = _bar_groups(chosen)  # chrF rather than BLEU: it separates short or early runs whose BLEU is ~0
-    units = {token_unit(r.params.get("data.tokenizer")) for r in runs}
+    units = {token_unit(r.params.get("data.tokenizer")) for r in runs if r.params}  # a failed run logged none
     fig, axes = plt.subplots(1, 2 + bool(groups), figsize=(width, height), dpi=dpi, squeeze=False)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     _curve_panels(axes[0][:2], runs, colors, units.pop() if len(units) == 1 else "token")
