@@ -25,14 +25,16 @@ Speed with the core Transformer (every registered variant; other models get the 
 beams of a sentence share its encoder row (``EncoderOut.expand_beams``), so the cross-attention K/V are
 projected once per sentence and all its beams attend in one matmul; their self-attention K/V stay in the
 slot of the beam that computed them and a per-beam slot table masks each beam's history, so reordering
-beams copies no K/V; the K/V buffers are sized once for the longest output (``max_steps``). Measured
-with ``OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --reps 7 --threads 1`` (beam 4, the
-``small`` size, 48 steps, vs Hugging Face ``generate()``): medians of per-round ratios 1.47-1.54x in
-four runs; ``--threads 2``: 1.50-1.60x (2 shared cores). Before these changes 1.21x / 1.26x. The rest of
-the time: GEMMs (~53%, ``addmm``; ~65 GFLOP/s inside the loop vs 95 alone, the weights fall out of
-cache), attention over the K/V cache (~21%, memory-bound), copies (~8%), small ops and Python (~18%).
-Tried without a measurable gain: SDPA instead of the two matmuls for the grouped self-attention, one GEMM
-for the joined Q/K/V projections, a reused FFN buffer.
+beams copies no K/V; the K/V buffers are sized once for the longest output (``max_steps``). Decoding runs
+in ``torch.inference_mode`` (no autograd bookkeeping per op, as HF ``generate()``; what the model keeps on
+its modules from it is made a normal tensor afterwards, :class:`_DecodeMode`). Measured with
+``OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --reps 7 --threads 1`` (beam 4, the ``small`` size,
+48 steps, vs Hugging Face ``generate()``, docs/BENCHMARKS.md): with the decoding bounds on, medians of
+per-round CPU-time ratios 1.51-1.57x (wall clock 1.45-1.69x) on a machine loaded 8-13 by other jobs, the
+bounds costing 0-5%; 1.39x before inference mode and the table-driven UTF-8 check. The rest of the time:
+the model's decoder step (~86%: GEMMs, attention over the K/V cache), the encoder (~6%), the search
+itself (~8%). Tried without a measurable gain: SDPA instead of the two matmuls for the grouped
+self-attention, one GEMM for the joined Q/K/V projections, a reused FFN buffer.
 
 Invalid UTF-8 stops a hypothesis (``stop_invalid_utf8``, on in :func:`translate_examples`, the path of
 ``evaluate``, ``translate`` and the in-training BLEU): a byte that no continuation can turn into valid UTF-8
@@ -46,8 +48,9 @@ every hypothesis that ended with EOS, so the result is cut only when no beam rea
 candidate among the top ``2*beam`` is invalid nothing changes: scores, beams and results are those of the
 search without the check, bit for bit (tested). An untrained model writes invalid bytes within a few steps
 and so no longer decodes to the length limit: 1.1 s per sentence on CPU before this (a 30-step model).
-The check is a per-row state (continuation bytes still due and the allowed range of the next byte) updated
-with table lookups on the device; no host sync is added. An EOS inside an unfinished character is not a
+The check is a per-row state of an 8-state automaton (character boundary, or the continuation bytes still
+due with the allowed range of the next byte) advanced by one table lookup per candidate on the device; no
+host sync is added. An EOS inside an unfinished character is not a
 cut (the sentence ended; the decoder counts the broken sequence as invalid, as before).
 
 Maximum output length (bytes, EOS excluded) is ``floor(max_len_a * src_bytes + max_len_b)``, also capped so
