@@ -10,8 +10,15 @@ out_len - 1 bytes, then the forced EOS; HF: min_new_tokens = max_new_tokens = ou
 same number of decoder steps over the same number of beams. The HF model is MarianMTModel (post-LN,
 sinusoidal positions, tied embeddings: the closest HF architecture to ours), with its KV cache.
 
+Ours runs twice per round: without and with the bounds ``evaluate``, ``translate`` and the in-training BLEU
+decode with (``stop_invalid_utf8`` and per-row length limits, as ``translate_examples`` passes them). So that
+both do the same work, our model's logits are restricted to ASCII bytes (one added mask per step, in both
+runs): every hypothesis stays valid UTF-8 and the guard never cuts one, as with a trained model.
+
 Prints sentences/s of each (median of --reps interleaved rounds, after a warm-up) and the RATIO ours/HF:
-the median and range of the per-round ratios (each round runs both back to back).
+the median and range of the per-round ratios (each round runs all of them back to back), by wall clock
+and by CPU time of this process (single-threaded runs: on a machine shared with other jobs the CPU time is
+the steadier measure, as the wall clock also counts the time other processes held the core).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 
 def build_ours(args, vocab_size):
@@ -52,21 +60,53 @@ def build_hf(args, vocab_size):
     return MarianMTModel(cfg).eval()
 
 
+class AsciiOnly(nn.Module):
+    """``model`` with the logits of bytes >= 0x80 at -inf: a random model that writes valid UTF-8 only."""
+
+    def __init__(self, model, vocab_size: int):
+        super().__init__()
+        from scaletrain.vocab import BYTE_OFFSET
+
+        self.inner, self.cfg = model, model.cfg
+        mask = torch.zeros(vocab_size)
+        mask[BYTE_OFFSET + 0x80: BYTE_OFFSET + 0x100] = -float("inf")
+        self.register_buffer("mask", mask)
+
+    def encode(self, src):
+        return self.inner.encode(src)
+
+    def decode_step(self, tokens, step, enc, cache):
+        logits, cache = self.inner.decode_step(tokens, step, enc, cache)
+        return logits + self.mask.to(logits.dtype), cache
+
+    def reorder_cache(self, cache, index):
+        return self.inner.reorder_cache(cache, index)
+
+
 def n_params(m) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
 def timeit_interleaved(fns, reps):
-    """Seconds of every run of each function, runs interleaved (a, b, a, b, ...) after one warm-up each,
-    so a noisy neighbour slows both sides alike: ``times[i][r]`` is function i in round r."""
+    """Wall-clock and CPU seconds of every run of each function, runs interleaved (a, b, a, b, ...) after
+    one warm-up each, so a noisy neighbour slows both sides alike: ``wall[i][r]`` and ``cpu[i][r]`` are
+    function i in round r."""
     outs = [fn() for fn in fns]  # warm-up
-    times: list[list[float]] = [[] for _ in fns]
+    wall: list[list[float]] = [[] for _ in fns]
+    cpu: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs[i] = fn()
-            times[i].append(time.perf_counter() - t0)
-    return times, outs
+            wall[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.process_time() - c0)
+    return wall, cpu, outs
+
+
+def ratio_line(name: str, base: list[float], ours: list[float]) -> str:
+    """The median and range of the per-round ratios base/ours (both runs of a round were adjacent in time)."""
+    r = sorted(b / o for b, o in zip(base, ours))
+    return f"RATIO {name} per round: median {statistics.median(r):.2f} [{r[0]:.2f}-{r[-1]:.2f}]"
 
 
 def main() -> int:
@@ -104,8 +144,13 @@ def main() -> int:
     hf_src = torch.cat([body, torch.full((B, 1), EOS)], 1).to(dev)  # Marian: no source tag
     L = args.out_len
 
-    def run_ours():
-        return G.generate(ours, src, tags, beam=args.beam, lenpen=1.0, max_len_a=0, max_len_b=L - 1, min_len=L - 1)
+    ascii_only = AsciiOnly(ours, V).to(dev)
+    limits = torch.full((B,), L - 1)  # per-row limits, as translate_examples passes its length-ratio bounds
+
+    def run_ours(bounds: bool):
+        extra = dict(stop_invalid_utf8=True, row_limits=limits) if bounds else {}
+        return G.generate_with_scores(ascii_only, src, tags, beam=args.beam, lenpen=1.0, max_len_a=0,
+                                      max_len_b=L - 1, min_len=L - 1, **extra)
 
     def run_hf():
         with torch.inference_mode():
@@ -119,20 +164,27 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    (ts_ours, ts_hf), (out_ours, out_hf) = timeit_interleaved(
-        [lambda: (run_ours(), sync())[0], lambda: (run_hf(), sync())[0]], args.reps)
-    # same amount of work: every hypothesis has the forced length on both sides
-    assert all(len(o) == L - 1 for o in out_ours), [len(o) for o in out_ours]
+    wall, cpu, (out_off, out_on, out_hf) = timeit_interleaved(
+        [lambda: (run_ours(False), sync())[0], lambda: (run_ours(True), sync())[0], lambda: (run_hf(), sync())[0]],
+        args.reps)
+    # same amount of work: every hypothesis has the forced length on every side, and the bounds change nothing
+    assert all(len(h.tokens) == L - 1 and not h.cut for h in out_off + out_on), [len(h.tokens) for h in out_on]
+    assert [(h.tokens, h.score) for h in out_on] == [(h.tokens, h.score) for h in out_off]
     assert out_hf.shape[1] == L + 1, out_hf.shape  # decoder start + L generated tokens
-    t_ours, t_hf = statistics.median(ts_ours), statistics.median(ts_hf)
-    ratios = sorted(h / o for o, h in zip(ts_ours, ts_hf))  # per round: the two runs were adjacent in time
     print(f"device {dev}, torch threads {torch.get_num_threads()}, beam {args.beam}, batch {B}, "
           f"src {S} bytes, {L} decoder steps per sentence, median of {args.reps} interleaved rounds")
     print(f"params: scaletrain {n_params(ours):,}  HF Marian {n_params(hf):,}")
-    print(f"{'decoder':<28}{'seconds':>10}{'sentences/s':>14}{'ratio':>8}")
-    print(f"{'HF transformers generate()':<28}{t_hf:>10.3f}{B / t_hf:>14.1f}{1.0:>8.2f}")
-    print(f"{'scaletrain.eval.generate':<28}{t_ours:>10.3f}{B / t_ours:>14.1f}{t_hf / t_ours:>8.2f}")
-    print(f"RATIO ours/HF per round: median {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+    print(f"{'decoder':<34}{'seconds':>9}{'CPU s':>9}{'sentences/s':>13}{'ratio':>7}{'CPU ratio':>11}")
+    names = ["scaletrain.eval.generate", "scaletrain, decoding bounds on", "HF transformers generate()"]
+    t_hf, c_hf = statistics.median(wall[2]), statistics.median(cpu[2])
+    for name, w, c in [(names[2], wall[2], cpu[2]), *zip(names[:2], wall[:2], cpu[:2])]:
+        t, ct = statistics.median(w), statistics.median(c)
+        print(f"{name:<34}{t:>9.3f}{ct:>9.3f}{B / t:>13.1f}{t_hf / t:>7.2f}{c_hf / ct:>11.2f}")
+    print(ratio_line("ours/HF", wall[2], wall[0]))
+    print(ratio_line("ours with bounds/HF", wall[2], wall[1]))
+    print(ratio_line("ours/HF (CPU time)", cpu[2], cpu[0]))
+    print(ratio_line("ours with bounds/HF (CPU time)", cpu[2], cpu[1]))
+    print(ratio_line("time with bounds / without (CPU time)", cpu[1], cpu[0]))
     return 0
 
 

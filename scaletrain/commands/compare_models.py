@@ -18,7 +18,10 @@ def register(subparsers) -> None:
                     "evaluation section) for the same minutes on the same shards, one process per model, evaluate "
                     "each on the test split and write `scaletrain compare`'s table (Markdown, CSV, JSON) and plot "
                     "into --out. Resumable: finished trainings and evaluations are kept, nothing written is "
-                    "overwritten; re-run the same command after an interruption.")
+                    "overwritten; re-run the same command after an interruption (Ctrl-C or SIGTERM: the running "
+                    "training checkpoints and the command stops). A model that fails is in the table as failed, "
+                    "with its reason, and the others go on. Exit status: 0 all done, 1 some model failed, 2 bad "
+                    "input (nothing ran), 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM).")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated recipe names (default {','.join(DEFAULT_MODELS)}); NAME runs the packaged "
                         "catalogs_NAME, or NAME with overlays/catalogs.yaml")

@@ -10,7 +10,9 @@ held-out test split and writes ``scaletrain compare``'s table and plot into one 
                                         eval.log, eval_test.json, eval/test/{src,ref,hyp}.*.txt)
     OUT/mlruns.db                       the MLflow store of these runs
     OUT/compare.{md,csv,json,png}       compare's table (config keys that differ, parameters, steps, valid
-                                        nll, test BLEU/chrF per group, tokens/s) and its plot
+                                        nll, test BLEU/chrF per group, tokens/s; a run that failed as a
+                                        column of its own, its reason in the row "failed") and its plot
+    OUT/compare.plot.json               the plot's numbers and structure
 
 Models are named by recipe: ``base`` runs the packaged ``catalogs_base`` (a model recipe plus
 ``overlays/catalogs.yaml``: the shards, token budget, precision, schedule, budget and evaluation settings
@@ -22,8 +24,12 @@ its own ``train.out_dir`` and the folder's MLflow store.
 Resumable: a run whose ``train_summary.json`` says it finished is not trained again (an interrupted one
 resumes from its latest checkpoint: ``train.max_minutes`` is a budget for the whole job); an evaluation
 whose ``eval_test.json`` exists is not run again; a table or plot already written is never overwritten
-(a different one goes to ``compare-N.*``). A run that fails is reported and the others go on; the
-command exits 1 and a re-run retries it.
+(a different one goes to ``compare-N.*``). A run that fails is reported, shown in the table as failed with
+its reason, and the others go on; a re-run retries it. SIGINT (Ctrl-C) or SIGTERM stops the command: the
+running training gets SIGTERM, checkpoints at its next step boundary and exits (an evaluation is stopped;
+its result is written only when complete), no other run starts, and a re-run resumes. Exit codes: 0 every
+run trained and evaluated, 1 some run failed (the others are kept and in the table), 2 bad input (nothing
+ran), 128 + the signal number when interrupted (130 for SIGINT, 143 for SIGTERM).
 
 Why a subcommand and not a script under ``benchmarks/``: it must work from an installed wheel (recipes
 and overlays are package data), share ``scaletrain``'s one-line errors and ``--help``, and it is a
@@ -33,8 +39,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +53,7 @@ from scaletrain.errors import ScaletrainError
 DEFAULT_MODELS = ("base", "embeddingless", "byte_ncf", "msc", "moce_d5_lid", "subword_cg")
 REFERENCE = "base"  # the byte Transformer: trained with --base-seeds (two seeds by default)
 EXPERIMENT = "compare-models"
-TABLE_FILES = ("compare.md", "compare.csv", "compare.json", "compare.png")
+TABLE_FILES = ("compare.md", "compare.csv", "compare.json", "compare.png", "compare.plot.json")
 
 #: Size presets: d_model, ffn_dim, encoder = decoder layers, tokens per update, warm-up, validation batches,
 #: and a logging interval short enough for the throughput rows of the table (tokens/s is logged every
@@ -190,13 +198,49 @@ def _finished(run_dir: Path) -> dict | None:
     return None if s.get("preempted") else s
 
 
-def _run_logged(cmd: list[str], log: Path, env: dict | None = None) -> int:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n")
-        f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env=env).returncode
+class Interruption:
+    """SIGINT / SIGTERM while the runs go on: remembered, and passed on to the running child process as SIGTERM
+    (a training checkpoints at its next step boundary and exits; the trainer reads a second SIGINT as "stop
+    now", which a Ctrl-C that reached the child too must not become). The command then waits for the child,
+    starts nothing else and exits 128 + the signal number. Installed from the main thread only."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.child: subprocess.Popen | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "Interruption":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    def run(self, cmd: list[str], log: Path, env: dict | None = None) -> int:
+        """``cmd`` with its output appended to ``log``; its exit code (-N: killed by signal N)."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"\n$ {' '.join(cmd)}\n")
+            f.flush()
+            if self.signum is not None:
+                return -self.signum
+            self.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            if self.signum is not None:  # it came while the child was starting: the handler saw no child
+                self.child.send_signal(signal.SIGTERM)
+            try:
+                return self.child.wait()
+            finally:
+                self.child = None
 
 
 def _tail(log: Path, n: int = 5) -> str:
@@ -207,23 +251,40 @@ def _tail(log: Path, n: int = 5) -> str:
     return "\n".join("    " + x for x in lines[-n:])
 
 
+def _failure(what: str, rc: int, log: Path, seconds: float | None = None) -> str:
+    """What failed, as its first line (``training exited 2: <the error line of its log>``), then the log's tail.
+    The error line is the last ``scaletrain: error:`` line of this attempt's output (after the last ``$ cmd``
+    line: the log keeps every attempt), else its last line."""
+    try:
+        lines = [x.strip() for x in log.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    starts = [i for i, x in enumerate(lines) if x.startswith("$ ")]
+    lines = lines[starts[-1] + 1:] if starts else lines
+    errors = [x for x in lines if x.startswith("scaletrain: error:")]
+    why = (errors or lines or ["no output"])[-1].removeprefix("scaletrain: error: ")
+    after = f"after {seconds:.0f}s, " if seconds is not None else ""
+    return f"{what} exited {rc}: {why}\n    ({after}log {log})\n" + _tail(log)
+
+
 def train_and_evaluate(run: ModelRun, ov: list[str], out: Path, eval_lines: int, echo,
-                       precision: str = "") -> str | None:
-    """Train (unless finished) and evaluate (unless done) one run; None, or what failed. ``precision``:
-    what ``engine.precision: auto`` resolves to in the training process."""
+                       precision: str = "", runner: Interruption | None = None) -> str | None:
+    """Train (unless finished) and evaluate (unless done) one run; None, or what failed (its first line the
+    reason, the log's tail after it). ``precision``: what ``engine.precision: auto`` resolves to in the
+    training process; ``runner`` runs the child processes (signals passed on)."""
     from scaletrain.engine.precision import ENV
 
+    runner = runner or Interruption()
     run_dir, logs = out / "runs" / run.name, out / "logs"
     summary = _finished(run_dir)
     if summary is None:
         t0 = time.time()
         env = {**os.environ, ENV: precision} if precision else None
-        rc = _run_logged([sys.executable, "-m", "scaletrain", "train", "--config", run.recipe, *ov],
-                         logs / f"{run.name}.train.log", env)
+        rc = runner.run([sys.executable, "-m", "scaletrain", "train", "--config", run.recipe, *ov],
+                        logs / f"{run.name}.train.log", env)
         summary = _finished(run_dir)
         if rc != 0 or summary is None:
-            return f"training exited {rc} after {time.time() - t0:.0f}s (log {logs / f'{run.name}.train.log'}):\n" \
-                   + _tail(logs / f"{run.name}.train.log")
+            return _failure("training", rc, logs / f"{run.name}.train.log", time.time() - t0)
         echo(f"  trained: {summary['steps']} steps, {summary['tokens']:,} target tokens in "
              f"{summary['train_seconds']:.0f}s; valid nll {summary['valid_nll'][-1][1]:.3f}")
     else:
@@ -235,9 +296,9 @@ def train_and_evaluate(run: ModelRun, ov: list[str], out: Path, eval_lines: int,
     cmd = [sys.executable, "-m", "scaletrain", "evaluate", "--checkpoint", str(run_dir), "--json", str(result)]
     if eval_lines:
         cmd += ["--max-lines", str(eval_lines)]
-    rc = _run_logged(cmd, logs / f"{run.name}.eval.log")
+    rc = runner.run(cmd, logs / f"{run.name}.eval.log")
     if rc != 0 or not result.is_file():
-        return f"evaluation exited {rc} (log {logs / f'{run.name}.eval.log'}):\n" + _tail(logs / f"{run.name}.eval.log")
+        return _failure("evaluation", rc, logs / f"{run.name}.eval.log")
     r = json.loads(result.read_text(encoding="utf-8"))
     avg = {a["name"]: a for a in r["model"]["averages"]} if isinstance(r.get("model"), dict) else {}
     a = avg.get("all", {})
@@ -264,14 +325,43 @@ def _table_stem(out: Path, texts: dict[str, str]) -> tuple[str, bool]:
         n += 1
 
 
-def write_table(out: Path, run_dirs: Sequence[Path]) -> tuple[list[Path], str]:
+FAILED_ROW = "failed"
+
+
+def _failed_runs(out: Path, failed: dict[str, str]) -> list:
+    """A table column per failed run: its MLflow run where training got as far as creating one (its config and
+    curves), else a column with its name alone."""
+    from scaletrain.tracking.compare import RunData, load_runs
+    from scaletrain.tracking.journal import RUN_FILE
+
+    cols = []
+    for name in failed:
+        run_dir = out / "runs" / name
+        col = None
+        if (run_dir / "tracking" / RUN_FILE).is_file():
+            try:
+                col = load_runs([str(run_dir)], project_dir=out)[0]
+            except ScaletrainError:
+                col = None
+        cols.append(col or RunData(name, name, "FAILED", {}, {}, {}))
+    return cols
+
+
+def write_table(out: Path, run_dirs: Sequence[Path], failed: dict[str, str] | None = None) -> tuple[list[Path], str]:
     """``scaletrain compare`` of the runs as Markdown, CSV and JSON, and its plot, under a name that
-    overwrites nothing; returns the files written (none if the same table is there) and the Markdown."""
-    from scaletrain.tracking.compare import compare, load_runs, plot_comparison
+    overwrites nothing; returns the files written (none if the same table is there) and the Markdown.
+    ``failed`` (run name -> why): runs that failed, each a column too, its reason in the row ``failed``."""
+    from scaletrain.tracking.compare import compare, load_runs, plot_comparison, plot_data_path
     from scaletrain.fileio import atomic_write_text
 
-    runs = load_runs([str(d) for d in run_dirs], project_dir=out)
+    failed = failed or {}
+    run_dirs = [d for d in run_dirs if d.name not in failed]
+    ok = load_runs([str(d) for d in run_dirs], project_dir=out) if run_dirs else []
+    runs = ok + _failed_runs(out, failed)
     cmp = compare(runs)
+    if failed:
+        at = next(i for i, (name, _) in enumerate(cmp.rows) if name == "status") + 1
+        cmp.rows.insert(at, (FAILED_ROW, [None] * len(ok) + list(failed.values())))
     texts = {".md": cmp.format("md") + "\n", ".csv": cmp.format("csv"), ".json": cmp.format("json") + "\n"}
     stem, there = _table_stem(out, texts)
     written = []
@@ -281,7 +371,8 @@ def write_table(out: Path, run_dirs: Sequence[Path]) -> tuple[list[Path], str]:
             written.append(out / f"{stem}{ext}")
     if not (out / f"{stem}.png").exists():
         try:
-            written.append(plot_comparison(runs, out / f"{stem}.png"))
+            png = plot_comparison(runs, out / f"{stem}.png")
+            written += [png, plot_data_path(png)]
         except Exception as e:  # noqa: BLE001 - a plot must not lose the table
             print(f"warning: could not plot the comparison: {e}", file=sys.stderr)
     return written, texts[".md"]
@@ -291,7 +382,8 @@ def compare_models(models: Sequence[str] = DEFAULT_MODELS, *, out: str | os.Path
                    seeds: Sequence[int] = (1,), base_seeds: Sequence[int] = (1, 2), minutes: float = 10.0,
                    size: str = "paper", sets: Sequence[str] = (), shards: str = "shards/catalogs", beam: int = 0,
                    eval_lines: int = 0, dry_run: bool = False, echo=print) -> int:
-    """Train, evaluate and compare (module doc); returns 0, or 1 when a run failed (the others are kept)."""
+    """Train, evaluate and compare (module doc); returns 0, 1 when a run failed (the others are kept and the
+    table shows it as failed), or 128 + N when signal N interrupted it."""
     if not minutes > 0:
         raise ScaletrainError(f"--minutes must be > 0 (got {minutes})")
     if beam < 0 or eval_lines < 0:
@@ -315,21 +407,30 @@ def compare_models(models: Sequence[str] = DEFAULT_MODELS, *, out: str | os.Path
     precision, why = pinned_precision(out)
     check_plan(out, {**plan, "precision": precision, "precision_reason": why})
     echo(f"engine.precision auto -> {precision} for every model ({why})")
-    failed = []
-    for i, r in enumerate(runs, 1):
-        echo(f"[{i}/{len(runs)}] {r.name} ({r.recipe}, {minutes:g} min, size {size})")
-        err = train_and_evaluate(r, overrides[r.name], out, eval_lines, echo, precision)
-        if err:
-            echo(f"  FAILED: {err}")
-            failed.append(r.name)
+    failed: dict[str, str] = {}
+    with Interruption() as runner:
+        for i, r in enumerate(runs, 1):
+            echo(f"[{i}/{len(runs)}] {r.name} ({r.recipe}, {minutes:g} min, size {size})")
+            err = train_and_evaluate(r, overrides[r.name], out, eval_lines, echo, precision, runner)
+            if runner.signum is not None:
+                return _interrupted(runner.signum, r.name, echo)
+            if err:
+                echo(f"  FAILED: {err}")
+                failed[r.name] = err.splitlines()[0]
     done = sorted(d for d in (out / "runs").iterdir() if (d / "eval_test.json").is_file()) \
         if (out / "runs").is_dir() else []
-    if done:
-        written, md = write_table(out, done)
+    if done or failed:
+        written, md = write_table(out, done, failed)
         echo(md)
         echo(f"wrote {', '.join(str(p) for p in written)}" if written else f"the table of these runs is already in {out}")
     if failed:
         echo(f"failed: {', '.join(failed)}; re-run the same command to retry them (finished runs are kept)")
         return 1
     return 0
+
+
+def _interrupted(signum: int, during: str, echo) -> int:
+    echo(f"interrupted by {signal.Signals(signum).name} during {during}: no other run started; re-run the same "
+         "command to resume (finished runs are kept, an interrupted training resumes from its checkpoint)")
+    return 128 + signum
 

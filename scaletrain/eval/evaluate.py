@@ -19,7 +19,7 @@ from pathlib import Path
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import train_length_ratios, translate_examples
+from scaletrain.eval.generate import decoding_bounds, translate_examples
 from scaletrain.eval.in_training import first_n_per_direction
 from scaletrain.tracking.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
 from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions
@@ -81,11 +81,9 @@ def evaluate_checkpoint(path, *, split=None, shards=None, beam=None, lenpen=None
         bar = tqdm(total=len(examples), desc=f"decoding {split}", unit="sent", leave=False)
     t0 = time.time()
     try:
-        res = translate_examples(
+        res = translate_examples(  # within the bounds the in-training BLEU decodes with too
             model, examples, vocab, batch_tokens=batch_tokens or ec.batch_tokens, beam=beam, lenpen=lenpen,
-            max_len_a=max_len[0], max_len_b=max_len[1], progress=(bar.update if bar else None),
-            # a degenerate model stops near training's lengths
-            length_ratios=train_length_ratios(load_manifest(shards)), stop_invalid_utf8=ec.stop_invalid_utf8,
+            progress=(bar.update if bar else None), **decoding_bounds(ec, shards, *max_len),
             stage=f"evaluate, decoding the {split} split on {device}", batch_tokens_key="--batch-tokens",
         )
     finally:  # an error line starts on a line of its own
@@ -194,7 +192,8 @@ def write_record(result: dict, run_dir: str | Path, hyp_dir: str | Path | None =
 
 def mlflow_metrics(result: dict) -> dict[str, float]:
     """``<split>/bleu/<group>``, ``<split>/chrf/<group>`` (groups: ``->`` as ``2``, spaces as ``_``), the same
-    per direction, and ``<split>/copy_baseline/{bleu,chrf}`` of the copy-the-source baseline."""
+    per direction, ``<split>/copy_baseline/{bleu,chrf}`` of the copy-the-source baseline on every line and
+    ``<split>/copy_baseline_{bleu,chrf}/<group>`` per group (``scaletrain compare --plot`` marks its bars with them)."""
     split = result["split"]
     metrics = {}
     for a in result["report"].averages:
@@ -205,6 +204,9 @@ def mlflow_metrics(result: dict) -> dict[str, float]:
         metrics[f"{split}/bleu/{d.src_lang}-{d.tgt_lang}"] = d.bleu
         metrics[f"{split}/chrf/{d.src_lang}-{d.tgt_lang}"] = d.chrf
     for a in result["baseline"].averages:
+        key = a.name.replace("->", "2").replace(" ", "_")
+        metrics[f"{split}/copy_baseline_bleu/{key}"] = a.bleu
+        metrics[f"{split}/copy_baseline_chrf/{key}"] = a.chrf
         if a.name == "all":
             metrics[f"{split}/copy_baseline/bleu"] = a.bleu
             metrics[f"{split}/copy_baseline/chrf"] = a.chrf

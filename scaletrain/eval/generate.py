@@ -25,14 +25,16 @@ Speed with the core Transformer (every registered variant; other models get the 
 beams of a sentence share its encoder row (``EncoderOut.expand_beams``), so the cross-attention K/V are
 projected once per sentence and all its beams attend in one matmul; their self-attention K/V stay in the
 slot of the beam that computed them and a per-beam slot table masks each beam's history, so reordering
-beams copies no K/V; the K/V buffers are sized once for the longest output (``max_steps``). Measured
-with ``OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --reps 7 --threads 1`` (beam 4, the
-``small`` size, 48 steps, vs Hugging Face ``generate()``): medians of per-round ratios 1.47-1.54x in
-four runs; ``--threads 2``: 1.50-1.60x (2 shared cores). Before these changes 1.21x / 1.26x. The rest of
-the time: GEMMs (~53%, ``addmm``; ~65 GFLOP/s inside the loop vs 95 alone, the weights fall out of
-cache), attention over the K/V cache (~21%, memory-bound), copies (~8%), small ops and Python (~18%).
-Tried without a measurable gain: SDPA instead of the two matmuls for the grouped self-attention, one GEMM
-for the joined Q/K/V projections, a reused FFN buffer.
+beams copies no K/V; the K/V buffers are sized once for the longest output (``max_steps``). Decoding runs
+in ``torch.inference_mode`` (no autograd bookkeeping per op, as HF ``generate()``; what the model keeps on
+its modules from it is made a normal tensor afterwards, :class:`_DecodeMode`). Measured with
+``OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --reps 7 --threads 1`` (beam 4, the ``small`` size,
+48 steps, vs Hugging Face ``generate()``, docs/BENCHMARKS.md): with the decoding bounds on, medians of
+per-round CPU-time ratios 1.51-1.57x (wall clock 1.45-1.69x) on a machine loaded 8-13 by other jobs, the
+bounds costing 0-5%; 1.39x before inference mode and the table-driven UTF-8 check. The rest of the time:
+the model's decoder step (~86%: GEMMs, attention over the K/V cache), the encoder (~6%), the search
+itself (~8%). Tried without a measurable gain: SDPA instead of the two matmuls for the grouped
+self-attention, one GEMM for the joined Q/K/V projections, a reused FFN buffer.
 
 Invalid UTF-8 stops a hypothesis (``stop_invalid_utf8``, on in :func:`translate_examples`, the path of
 ``evaluate``, ``translate`` and the in-training BLEU): a byte that no continuation can turn into valid UTF-8
@@ -46,8 +48,9 @@ every hypothesis that ended with EOS, so the result is cut only when no beam rea
 candidate among the top ``2*beam`` is invalid nothing changes: scores, beams and results are those of the
 search without the check, bit for bit (tested). An untrained model writes invalid bytes within a few steps
 and so no longer decodes to the length limit: 1.1 s per sentence on CPU before this (a 30-step model).
-The check is a per-row state (continuation bytes still due and the allowed range of the next byte) updated
-with table lookups on the device; no host sync is added. An EOS inside an unfinished character is not a
+The check is a per-row state of an 8-state automaton (character boundary, or the continuation bytes still
+due with the allowed range of the next byte) advanced by one table lookup per candidate on the device; no
+host sync is added. An EOS inside an unfinished character is not a
 cut (the sentence ended; the decoder counts the broken sequence as invalid, as before).
 
 Maximum output length (bytes, EOS excluded) is ``floor(max_len_a * src_bytes + max_len_b)``, also capped so
@@ -84,6 +87,7 @@ __all__ = [
     "complete_prefix",
     "ratio_limits",
     "train_length_ratios",
+    "decoding_bounds",
     "generate",
     "generate_with_scores",
     "max_output_lengths",
@@ -171,62 +175,70 @@ def _utf8_tables() -> torch.Tensor:
 _UTF8 = _utf8_tables()
 
 
-class _Utf8Guard:
-    """UTF-8 state of each decoder row: ``need`` continuation bytes still due, the allowed range [lo, hi] of
-    the next byte. Byte ids are ``BYTE_OFFSET .. BYTE_OFFSET + 255``; an id past the bytes (a subword piece:
-    whole characters) needs a character boundary; EOS is always allowed."""
+def _utf8_automaton() -> list[list[int]]:
+    """The UTF-8 checker as a table: ``next[state][token]`` is the state after ``token`` or -1 where the token
+    makes the output invalid. State 0 is a character boundary; the others are (continuation bytes still due,
+    allowed range [lo, hi] of the next byte), as :func:`_utf8_tables` gives them for each first byte. Columns:
+    the ids up to the last byte (``BYTE_OFFSET + 255``), then one for every id past the bytes (a subword
+    piece: whole characters, so only at a boundary). EOS is always allowed (the state after it is 0)."""
+    lead = [tuple(int(x) for x in _UTF8[:, b]) for b in range(256)]
+    states = [(0, 0, 0)] + sorted({x for x in lead if x[0] > 0} | {(n, 0x80, 0xBF) for n in (1, 2)})
+    index = {st: i for i, st in enumerate(states)}
+    table = []
+    for need, lo, hi in states:
+        row = [0 if need == 0 else -1] * (BYTE_OFFSET + 257)  # ids below the bytes and past them
+        for b in range(256):
+            if need == 0:
+                row[BYTE_OFFSET + b] = index[lead[b]] if lead[b][0] > 0 else lead[b][0]  # ASCII 0, no lead -1
+            else:
+                row[BYTE_OFFSET + b] = (index[(need - 1, 0x80, 0xBF)] if need > 1 else 0) if lo <= b <= hi else -1
+        row[EOS] = 0
+        table.append(row)
+    return table
 
-    def __init__(self, rows: int, device):
-        self.tables = _UTF8.to(device)
-        self.state = torch.zeros((3, rows), dtype=torch.int64, device=device)  # need, lo, hi
+
+_UTF8_NEXT = _utf8_automaton()
+_UTF8_COLUMNS = BYTE_OFFSET + 257
+
+
+class _Utf8Guard:
+    """UTF-8 state of each decoder row (a state of :func:`_utf8_automaton`; 0 = at a character boundary), on
+    the device: one table lookup per candidate, no host sync."""
+
+    def __init__(self, rows: int, device, beams: int = 1):
+        self.table = torch.tensor(_UTF8_NEXT, dtype=torch.int64, device=device)
+        self.state = torch.zeros(rows, dtype=torch.int64, device=device)
+        # [i, j]: rank i comes before rank j among a sentence's top ``beams`` candidates (_guard_candidates)
+        self.earlier = torch.ones((beams, beams), dtype=torch.bool, device=device).triu(1)
 
     def next(self, rows: torch.Tensor | None, tokens: torch.Tensor):
         """For ``tokens`` following the rows ``rows`` (None: row i for token i): whether each keeps the output
-        valid UTF-8 (EOS: True), and the state after it ([3, *tokens.shape])."""
-        st = self.state if rows is None else self.state[:, rows]
-        need, lo, hi = st[0], st[1], st[2]
-        b = tokens - BYTE_OFFSET
-        is_byte = (b >= 0) & (b < 256)
-        lead = self.tables[:, b.clamp(0, 255)]
-        boundary = need == 0
-        ok_byte = torch.where(boundary, lead[0] >= 0, (b >= lo) & (b <= hi))
-        ok = torch.where(is_byte, ok_byte, boundary | (tokens == EOS))
-        cont = torch.stack([need - 1, torch.full_like(need, 0x80), torch.full_like(need, 0xBF)])
-        new = torch.where(boundary.unsqueeze(0), lead.clamp(min=0), cont)
-        return ok, torch.where(is_byte.unsqueeze(0), new, torch.zeros_like(new))
+        valid UTF-8 (EOS: True), and the state after it (shaped like ``tokens``)."""
+        return self.after(self.state if rows is None else self.state[rows], tokens)
 
-
-_UTF8_LEAD = [tuple(int(x) for x in _UTF8[:, b]) for b in range(256)]  # (need, lo, hi) per byte, for the host
+    def after(self, state: torch.Tensor, tokens: torch.Tensor):
+        """Whether each of ``tokens`` keeps valid the row in ``state`` it follows, and the state after it."""
+        nxt = self.table[state, tokens.clamp(max=_UTF8_COLUMNS - 1)]
+        return nxt >= 0, nxt.clamp(min=0)
 
 
 class _HostUtf8Guard:
-    """The same state machine as :class:`_Utf8Guard` on the host, for greedy decoding, which already brings
-    each step's tokens to the host: a few integer operations per row instead of a dozen tensor ops per step."""
+    """The same automaton on the host, for greedy decoding, which already brings each step's tokens to the
+    host: a list lookup per row instead of tensor ops per step."""
 
     def __init__(self, rows: int):
-        self.state = [(0, 0, 0)] * rows  # (need, lo, hi) per live row
+        self.state = [0] * rows  # per live row
 
     def advance(self, tokens: list[int], status: list[int]) -> None:
         """In place: ``status`` 2 for a row whose token makes it invalid UTF-8 (0 = continues, 1 = EOS)."""
         for r, tok in enumerate(tokens):
             if status[r]:
                 continue
-            need, lo, hi = self.state[r]
-            b = tok - BYTE_OFFSET
-            if not 0 <= b < 256:
-                if need:
-                    status[r] = 2  # a piece (whole characters) inside an unfinished character
-                continue
-            if need == 0:
-                lead = _UTF8_LEAD[b]
-                if lead[0] < 0:
-                    status[r] = 2
-                else:
-                    self.state[r] = lead
-            elif lo <= b <= hi:
-                self.state[r] = (need - 1, 0x80, 0xBF)
-            else:
+            nxt = _UTF8_NEXT[self.state[r]][min(tok, _UTF8_COLUMNS - 1)]
+            if nxt < 0:
                 status[r] = 2
+            else:
+                self.state[r] = nxt
 
     def keep(self, rows: list[int]) -> None:
         self.state = [self.state[r] for r in rows]
@@ -294,8 +306,12 @@ def _check_inputs(src, tgt_tags, beam, lenpen, max_len_a, max_len_b, min_len, la
     return src.to(torch.int64), tgt_tags
 
 
-class _EvalMode:
-    """Put the model in eval mode for the duration; restore its previous mode afterwards."""
+class _DecodeMode:
+    """Eval mode and ``torch.inference_mode`` for the duration (as Hugging Face ``generate()`` decodes: no
+    autograd bookkeeping per op, ~5% less CPU time than ``no_grad`` in beam search, benchmarks/bench_generate.py);
+    afterwards the model's previous mode is restored and every tensor it created while decoding and kept on a
+    module (routing statistics, caches: in buffers, attributes, or dicts, lists and tuples of them) is replaced
+    by a normal clone, so that training can update it in place again (an inference tensor refuses that)."""
 
     def __init__(self, model):
         self.model = model
@@ -303,10 +319,46 @@ class _EvalMode:
     def __enter__(self):
         self.was_training = bool(getattr(self.model, "training", False))
         self.model.eval()
+        self.inference = torch.inference_mode()
+        self.inference.__enter__()
 
     def __exit__(self, *exc):
+        self.inference.__exit__(*exc)
+        if isinstance(self.model, torch.nn.Module):
+            for module in self.model.modules():
+                _normal_tensors(module._buffers)
+                _normal_tensors(module.__dict__, skip=_MODULE_INTERNALS)
         if self.was_training:
             self.model.train()
+
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # parameters, buffers, submodules, hooks, flags
+
+
+def _normal(value, depth: int = 0):
+    """``value`` with inference tensors replaced by normal clones: a tensor, or a dict or list (changed in
+    place) or tuple (rebuilt) holding them, nested up to 4 deep; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_inference() else value
+    if depth >= 4:
+        return value
+    if isinstance(value, (dict, list)):
+        _normal_tensors(value, depth=depth + 1)
+        return value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        new = tuple(_normal(v, depth + 1) for v in value)
+        return new if any(a is not b for a, b in zip(new, value)) else value
+    return value
+
+
+def _normal_tensors(store, skip=(), depth: int = 0) -> None:
+    """In place: every value of the dict or list ``store`` (keys in ``skip`` left alone) made normal."""
+    items = store.items() if isinstance(store, dict) else enumerate(store)
+    for k, v in list(items):
+        if k not in skip:
+            new = _normal(v, depth)
+            if new is not v:
+                store[k] = new
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,9 +420,9 @@ def generate_with_scores(
     max_lens = max_output_lengths(src, max_len_a, max_len_b, max_positions)
     if row_limits is not None:
         max_lens = torch.minimum(max_lens, torch.as_tensor(row_limits, dtype=torch.int64, device=device).clamp(min=0))
-    # no_grad rather than inference_mode: a model that lazily creates state during decoding (e.g. routing
-    # statistics) would otherwise hold inference tensors that crash on the next in-place update in training
-    with _EvalMode(model), torch.no_grad():
+    # inference mode; what a model created on its modules while decoding (e.g. routing statistics) is made a
+    # normal tensor again at the end, so the next in-place update in training works (_DecodeMode)
+    with _DecodeMode(model):
         if beam == 1:
             return _greedy(model, src, tgt_tags, max_lens, min_len, lenpen, lang_offset, stop_invalid_utf8)
         return _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_offset, stop_invalid_utf8)
@@ -534,13 +586,10 @@ def _best_finalized(finalized: list[list[tuple[float, list[int], bool]]]) -> lis
 def _guard_candidates(guard: _Utf8Guard, top_beam, top_tok, is_eos, K: int):
     """The candidates that make their beam invalid UTF-8 ([nb, 2K]); the first of them per beam among the
     top ``K`` ([nb, K]: a beam is cut once, however many of its bytes are invalid); every candidate's state."""
-    nb = top_beam.shape[0]
-    rows = torch.arange(nb, device=top_beam.device).unsqueeze(1) * K + top_beam
-    ok, state = guard.next(rows, top_tok)
+    ok, state = guard.after(guard.state.view(top_beam.shape[0], K).gather(1, top_beam), top_tok)
     bad = ~ok & ~is_eos
     bk, beam_k = bad[:, :K], top_beam[:, :K]
-    earlier = torch.ones((K, K), dtype=torch.bool, device=bad.device).triu(1)  # [i, j]: i ranked before j
-    repeat = (bk.unsqueeze(2) & (beam_k.unsqueeze(2) == beam_k.unsqueeze(1)) & earlier).any(dim=1)
+    repeat = (bk.unsqueeze(2) & (beam_k.unsqueeze(2) == beam_k.unsqueeze(1)) & guard.earlier).any(dim=1)
     return bad, bk & ~repeat, state
 
 
@@ -560,7 +609,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
     min_max = int(alive_max.min())
     finalized: list[list[tuple[float, list[int], bool]]] = [[] for _ in range(B)]
     mask_cache: dict = {"lang_offset": lang_offset}
-    guard = _Utf8Guard(B * K, device) if stop_invalid_utf8 else None
+    guard = _Utf8Guard(B * K, device, K) if stop_invalid_utf8 else None
     cache = None
     step = 0
     while alive.numel():
@@ -582,7 +631,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
         if guard is not None:
             new_scores = torch.where(ended.gather(1, sel), torch.full_like(new_scores, -math.inf), new_scores)
             done_now |= ~torch.isfinite(new_scores).any(dim=1)  # every beam of the sentence was cut
-            guard.state = cand_state.gather(2, sel.unsqueeze(0).expand(3, -1, -1)).reshape(3, -1)
+            guard.state = cand_state.gather(1, sel).reshape(-1)
         src_rows = (torch.arange(nb, device=device).unsqueeze(1) * K + new_beam)  # [nb, K]
         if bool(done_now.any()):
             keep = (~done_now).nonzero().squeeze(1)
@@ -594,7 +643,7 @@ def _beam_search(model, src, tgt_tags, max_lens, min_len, beam, lenpen, lang_off
             keep_rows = keep.repeat_interleave(K) * K + torch.arange(K, device=device).repeat(keep.numel())
             enc = enc.index_select(keep_rows)
             if guard is not None:
-                guard.state = guard.state[:, keep_rows]
+                guard.state = guard.state[keep_rows]
         flat = src_rows.reshape(-1)
         cache = model.reorder_cache(cache, flat)
         hist = torch.cat([hist.index_select(0, flat), new_tok.reshape(-1, 1)], dim=1)
@@ -748,3 +797,17 @@ def train_length_ratios(manifest) -> dict[tuple[int, int], float]:
             if d is not None and d.src_bytes > 0 and d.tgt_bytes > 0:
                 out[(si, ti)] = d.tgt_bytes / d.src_bytes
     return out
+
+
+def decoding_bounds(eval_cfg, shards, max_len_a: float | None = None, max_len_b: int | None = None) -> dict:
+    """The bounds on every decoding of a run's data, ``evaluate`` and the in-training BLEU alike, as keyword
+    arguments of :func:`translate_examples`: the length limit ``max_len_a * src + max_len_b`` (default: the
+    recipe's ``eval.max_len_a`` / ``eval.max_len_b``), the limit from training's target/source byte ratio per
+    direction (:func:`train_length_ratios` of the manifest of ``shards``) and the stop at invalid UTF-8
+    (``eval.stop_invalid_utf8``)."""
+    from scaletrain.data.shards import load_manifest
+
+    return dict(max_len_a=float(eval_cfg.max_len_a if max_len_a is None else max_len_a),
+                max_len_b=int(eval_cfg.max_len_b if max_len_b is None else max_len_b),
+                stop_invalid_utf8=bool(eval_cfg.stop_invalid_utf8),
+                length_ratios=train_length_ratios(load_manifest(shards)))

@@ -4,7 +4,9 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
 
 * :func:`first_n_per_direction` - the fixed subset: the first ``N`` lines of every direction, in shard
   order (the same lines at every evaluation and after a resume).
-* :class:`BleuValidator` - decodes the subset (greedy by default) and scores it with
+* :class:`BleuValidator` - decodes the subset (greedy by default; with the bounds ``evaluate`` decodes with,
+  :func:`scaletrain.eval.generate.decoding_bounds`: length limits from the recipe and from training's
+  length ratios, the stop at invalid UTF-8) and scores it with
   :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
   averages). With several data-parallel ranks every one decodes its own share (lines ``dp_rank::dp_size``
   of the parallel context), the hypotheses are all-gathered over the data-parallel group, and every rank scores the complete subset, so all ranks hold the same
@@ -31,7 +33,7 @@ import torch
 
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, translate_examples
+from scaletrain.eval.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoding_bounds, translate_examples
 from scaletrain.eval.scoring import Report, example_records, report_to_metrics, score_directions
 from scaletrain.vocab import ByteVocab
 
@@ -88,7 +90,7 @@ class BleuValidator:
     """BLEU/chrF of a model on a fixed list of examples; see the module docstring for the distributed rules.
 
     ``examples``: the subset (e.g. ``first_n_per_direction(read_split(shards, 'valid'), 100)``).
-    ``beam``: 1 = greedy (default; cheap enough to run often). Decoding settings as in
+    ``beam``: 1 = greedy (default; cheap enough to run often). Decoding settings (``length_ratios`` too) as in
     :func:`scaletrain.eval.generate.translate_examples`; scoring settings as in
     :func:`scaletrain.eval.scoring.score_directions`.
     """
@@ -108,25 +110,27 @@ class BleuValidator:
         tokenize: Mapping[str, str] | None = None,
         prefix: str = "valid",
         stop_invalid_utf8: bool = True,
+        length_ratios: Mapping[tuple[int, int], float] | None = None,
     ):
         self.examples = list(examples)
         if not self.examples:
             raise ScaletrainError("BleuValidator: the validation subset is empty (is the valid split empty?)")
         self.vocab = vocab
         self.decode_kw = dict(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
-                              batch_tokens=batch_tokens, stop_invalid_utf8=stop_invalid_utf8)
+                              batch_tokens=batch_tokens, stop_invalid_utf8=stop_invalid_utf8,
+                              length_ratios=length_ratios)
         self.pivot, self.groups, self.tokenize, self.prefix = pivot, dict(groups or {}), tokenize, prefix
 
     @classmethod
     def for_run(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
         """The first ``n_per_direction`` lines per direction of ``split`` of ``cfg.data.shards``, decoding
-        and scoring settings from ``cfg.eval`` (beam defaults to 1 = greedy; override with ``beam=``)."""
+        and scoring settings from ``cfg.eval`` (beam defaults to 1 = greedy; override with ``beam=``), decoded
+        within the bounds ``evaluate`` applies (:func:`~scaletrain.eval.generate.decoding_bounds`)."""
         from scaletrain.data.shards import read_split
 
         ec = cfg.eval
-        args = dict(beam=1, lenpen=ec.lenpen, max_len_a=ec.max_len_a, max_len_b=ec.max_len_b,
-                    batch_tokens=ec.batch_tokens, pivot=ec.pivot, groups=ec.groups or None,
-                    stop_invalid_utf8=ec.stop_invalid_utf8)
+        args = dict(beam=1, lenpen=ec.lenpen, batch_tokens=ec.batch_tokens, pivot=ec.pivot,
+                    groups=ec.groups or None, **decoding_bounds(ec, cfg.data.shards))
         args.update(kw)
         return cls(first_n_per_direction(read_split(cfg.data.shards, split), n_per_direction), vocab, **args)
 

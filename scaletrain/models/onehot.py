@@ -16,7 +16,8 @@ like a row of N(0, 1/d) entries, so with s_out = 1 a logit h_v has the variance 
 logit h . E_v (about 1 after the final LayerNorm) and the loss at initialisation is about ln V. With
 s_out = sqrt(d) the logits start with standard deviation sqrt(d) (22.6 at d 512): about 60 nats per
 token at V = 268 instead of 5.6, gradients that overflow fp16's loss scale (every step skipped) and
-a first phase spent shrinking s_out (tests/unit/test_models_init_loss.py).
+a first phase spent shrinking s_out (tests/unit/test_models_init_scale.py checks every recipe's initial
+loss is about ln V).
 The dropout changes of the paper are separate config switches (``encoder_input_dropout``,
 ``decoder_input_dropout``, ``decoder_last_layer_dropout``); the recipe sets them.
 """

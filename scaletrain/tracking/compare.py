@@ -21,8 +21,10 @@ evaluation runs nested under training runs are not listed as runs of their own).
 
 :func:`plot_comparison` draws the runs' learning curves overlaid (with each run's target-unigram
 validation NLL as a dashed line) and the chrF per group of each run's shown test evaluation as bars (a run
-without one gets a hatched "not evaluated" bar, not a zero), into one PNG (matplotlib, Agg backend). Everything
-works on the default local SQLite store, no server needed.
+without one gets a hatched "not evaluated" bar, not a zero), each bar marked with the chrF of copying the source
+on that evaluation's own lines (runs on different corpora start from different floors), into one PNG
+(matplotlib, Agg backend) and, beside it, ``<name>.plot.json`` with the numbers drawn and the figure's structure.
+Everything works on the default local SQLite store, no server needed.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ from scaletrain.tracking.journal import RUN_FILE
 from scaletrain.tracking.plots import BASELINE_KEY
 from scaletrain.tracking.store import resolve_tracking_uri, safe_key, tracking_client
 
-__all__ = ["RunData", "Evaluation", "Comparison", "load_runs", "compare", "plot_comparison", "FORMATS"]
+__all__ = ["RunData", "Evaluation", "Comparison", "load_runs", "compare", "plot_comparison", "plot_data_path",
+           "FORMATS", "COPY_MARK"]
 
 FORMATS = ("table", "md", "csv", "json")
 CURVES = ("train/loss", "valid/nll")  # (step, value) learning curves
@@ -53,6 +56,7 @@ BEST_MODE = {"train/loss": min, "valid/nll": min}  # other curve metrics (BLEU, 
 IGNORED_PARAMS = ("train.out_dir", "tracking.run_name")  # differ between any two runs by construction
 SCORES = ("bleu", "chrf")
 NOT_EVALUATED = "not evaluated"
+COPY_MARK = "copy the source: chrF on the same test lines"  # the label of the marks beside the chrF bars
 _EVAL_KEY = re.compile(r"^(?P<split>[A-Za-z0-9_-]+)/(?:bleu|chrf)/")
 
 
@@ -70,6 +74,7 @@ class Evaluation:
     run_id: str | None = None  # the nested run (None: an old record on the training run)
     start_time: int = 0
     old: bool = False
+    copy_chrf: dict[str, float] = field(default_factory=dict)  # group -> chrF of copying the source, same lines
 
     def rank(self) -> tuple:
         """Higher is preferred: the run's full evaluation, a full split, an old record, a subset; then the
@@ -133,13 +138,25 @@ def _scores(metrics: dict[str, float], split: str) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith(tuple(f"{split}/{s}/" for s in SCORES))}
 
 
+def _copy_chrf(metrics: dict[str, float], split: str) -> dict[str, float]:
+    """Group -> chrF of the copy-the-source baseline an evaluation logged (``<split>/copy_baseline/chrf`` for
+    all lines, ``<split>/copy_baseline_chrf/<group>`` per group; older evaluations logged the first alone)."""
+    prefix = f"{split}/copy_baseline_chrf/"
+    out = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+    if f"{split}/copy_baseline/chrf" in metrics:
+        out.setdefault("all", metrics[f"{split}/copy_baseline/chrf"])
+    return out
+
+
 def _nested(run) -> Evaluation:
     t = run.data.tags
     split = t.get(TAG_PREFIX + "split", "")
     step = t.get(TAG_PREFIX + "step", "")
+    metrics = dict(run.data.metrics)
     return Evaluation(t.get(TAG_PREFIX + "name", run.info.run_name), split, t.get(TAG_PREFIX + "primary") == "true",
                       t.get(TAG_PREFIX + "full") == "True", int(step) if step.isdigit() else None,
-                      _scores(dict(run.data.metrics), split), run.info.run_id, run.info.start_time or 0)
+                      _scores(metrics, split), run.info.run_id, run.info.start_time or 0,
+                      copy_chrf=_copy_chrf(metrics, split))
 
 
 def _old_name(client, run_id: str, split: str) -> str:
@@ -164,7 +181,8 @@ def _evaluations(client, run) -> list[Evaluation]:
             continue  # the training run's scores are its full evaluation's, listed above
         hist = client.get_metric_history(run.info.run_id, f"{split}/bleu/all")
         out.append(Evaluation(_old_name(client, run.info.run_id, split), split, False, False,
-                              max((m.step for m in hist), default=None), _scores(metrics, split), old=True))
+                              max((m.step for m in hist), default=None), _scores(metrics, split), old=True,
+                              copy_chrf=_copy_chrf(metrics, split)))
     return out
 
 
@@ -322,7 +340,8 @@ def compare(runs: list[RunData], directions: bool = False, evaluation: str | Non
     ``params``: config keys shown even where the runs agree; ``metrics``: other metric keys, each with its
     final, min and max value (load the runs with the same ``metrics`` for min and max)."""
     keys = sorted({k for r in runs for k in r.params})
-    differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in runs}) > 1]
+    known = [r for r in runs if r.params]  # a run without a config (failed before it logged one) differs in nothing
+    differing = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in known}) > 1]
     shown = differing + [k for k in dict.fromkeys(safe_key(p) for p in params) if k not in differing]
     rows: list[tuple[str, list[Any]]] = [("config: " + k, [r.params.get(k) for r in runs]) for k in shown]
     if "params.total" not in differing and any("params.total" in r.params for r in runs):
@@ -398,27 +417,44 @@ def _curve_panels(axes, runs: list[RunData], colors, unit: str) -> None:
         ax.grid(alpha=0.3)
 
 
-def _chrf_panel(ax, runs: list[RunData], colors, chosen: list[Evaluation | None], groups: list[str]) -> None:
+def _chrf_panel(ax, runs: list[RunData], colors, chosen: list[Evaluation | None], groups: list[str]) -> list[dict]:
+    """The chrF bars per group of each run's chosen test evaluation, each marked (a black tick across the bar)
+    at the chrF of copying the source on that evaluation's lines. Returns per run what was drawn."""
     from scaletrain.tracking.plots import SCORE_LABELS, missing_bar
 
     bw = 0.8 / max(len(runs), 1)
-    vals = [[e.metrics.get(f"test/chrf/{g}") if e else None for g in groups] for e in chosen]
-    top = max([v for row in vals for v in row if v is not None] + [0.0]) * 1.3 or 1.0
-    for i, (c, row) in enumerate(zip(colors, vals)):
+    vals = [[_clean(e.metrics.get(f"test/chrf/{g}")) if e else None for g in groups] for e in chosen]
+    marks = [[_clean(e.copy_chrf.get(g)) if e and v is not None else None for g, v in zip(groups, row)]
+             for e, row in zip(chosen, vals)]
+    top = max([v for rows in (vals, marks) for row in rows for v in row if v is not None] + [0.0]) * 1.3 or 1.0
+    marked = False
+    for i, (c, row, mrow) in enumerate(zip(colors, vals, marks)):
         xs = [g + (i - (len(runs) - 1) / 2) * bw for g in range(len(groups))]
         ax.bar([x for x, v in zip(xs, row) if v is not None], [v for v in row if v is not None], bw, color=c,
                label=runs[i].label)
-        for x, v in zip(xs, row):
+        for x, v, m in zip(xs, row, mrow):
             if v is None:
                 missing_bar(ax, x, bw, top, NOT_EVALUATED, color=c)
             elif v == 0:
                 ax.text(x, 0, "0", ha="center", va="bottom", fontsize=7, color=c)
+            if m is not None:
+                ax.plot([x - bw / 2, x + bw / 2], [m, m], color="black", linewidth=2, solid_capstyle="butt",
+                        label="_copy" if marked else COPY_MARK)
+                marked = True
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(groups)), groups, rotation=45, ha="right", fontsize="small")
     ax.set_xlabel("language group (test split)")
     ax.set_ylabel(SCORE_LABELS["chrf"])
     ax.set_title("test chrF per group")
     ax.grid(axis="y", alpha=0.3)
+    return [{"run_id": r.run_id, "label": r.label, "evaluation": e.name if e else None, "chrf": dict(zip(groups, row)),
+             "copy_source_chrf": dict(zip(groups, mrow))} for r, e, row, mrow in zip(runs, chosen, vals, marks)]
+
+
+def plot_data_path(png: str | os.PathLike) -> Path:
+    """Where :func:`plot_comparison` writes the numbers and structure of the plot ``png``: ``<name>.plot.json``
+    (``<name>.json`` is the table's in ``compare-models``' folder)."""
+    return Path(png).with_suffix(".plot.json")
 
 
 def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: float = 12.0, height: float = 4.0,
@@ -426,20 +462,22 @@ def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: floa
     """One PNG of ``width`` x ``height`` inches at ``dpi``: train loss and validation NLL against the update,
     each run one colour, its target-unigram NLL dashed; a third panel with the chrF per group of each run's
     shown test evaluation (as in :func:`compare`, ``evaluation`` a glob on its name) when any run has one,
-    a run without one hatched "not evaluated". One legend below the panels names each run and the
-    evaluation its bars come from. The PNG's text chunks hold the figure's structure
-    (:func:`scaletrain.tracking.plots.figure_structure`)."""
+    a run without one hatched "not evaluated", each bar marked at the chrF of copying the source on the same
+    lines. One legend below the panels names each run and the evaluation its bars come from. The PNG's text
+    chunks hold the figure's structure (:func:`scaletrain.tracking.plots.figure_structure`); beside it,
+    :func:`plot_data_path` holds that structure and, under ``bars``, the chrF and copy-the-source chrF drawn
+    per run and group."""
+    from scaletrain.fileio import atomic_write_text
     from scaletrain.tracking.plots import pyplot, save_figure, token_unit
 
     plt = pyplot()
     chosen = [r.evaluation("test", evaluation) for r in runs]
     groups = _bar_groups(chosen)  # chrF rather than BLEU: it separates short or early runs whose BLEU is ~0
-    units = {token_unit(r.params.get("data.tokenizer")) for r in runs}
+    units = {token_unit(r.params.get("data.tokenizer")) for r in runs if r.params}  # a failed run logged none
     fig, axes = plt.subplots(1, 2 + bool(groups), figsize=(width, height), dpi=dpi, squeeze=False)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     _curve_panels(axes[0][:2], runs, colors, units.pop() if len(units) == 1 else "token")
-    if groups:
-        _chrf_panel(axes[0][2], runs, colors, chosen, groups)
+    bars = _chrf_panel(axes[0][2], runs, colors, chosen, groups) if groups else []
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=c, linewidth=3) for c in colors]
@@ -447,10 +485,15 @@ def plot_comparison(runs: list[RunData], path: str | os.PathLike, *, width: floa
               for r, e in zip(runs, chosen)]
     handles.append(Line2D([], [], color="gray", linestyle="--"))
     labels.append("dashed: target-unigram NLL of the validation split (a model that ignores the source)")
+    if any(v is not None for b in bars for v in b["copy_source_chrf"].values()):
+        handles.append(Line2D([], [], color="black", linewidth=2))
+        labels.append(f"black tick on a bar: {COPY_MARK} as that bar")
     rows = len(labels)
     fig.legend(handles, labels, loc="lower center", fontsize="small", ncol=1, frameon=False)
     fig.tight_layout(rect=(0, min(0.6, (0.22 * rows + 0.1) / height), 1, 1))
     out = Path(path)
-    save_figure(fig, out, dpi)  # no bbox_inches="tight": the size is exactly width x height
+    structure = save_figure(fig, out, dpi)  # no bbox_inches="tight": the size is exactly width x height
     plt.close(fig)
+    data = {"groups": groups, "bars": bars, "figure": structure}
+    atomic_write_text(plot_data_path(out), json.dumps(data, indent=1, allow_nan=False) + "\n")
     return out

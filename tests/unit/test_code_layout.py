@@ -44,6 +44,19 @@ def test_nothing_points_outside_the_repository():
     assert not bad, f"references to files outside the repository: {bad}"
 
 
+_TEST_PATH = re.compile(r"\btests/[\w/.-]+?\.py\b")
+
+
+def test_every_test_file_cited_in_the_package_exists():
+    """A docstring or comment that names a test as the evidence for a claim names one that exists."""
+    files = [p for p in PKG.rglob("*") if p.is_file() and p.suffix in (".py", ".yaml", ".md", ".txt")
+             and "__pycache__" not in p.parts]
+    bad = [f"{p.relative_to(ROOT)}:{i}: {m}" for p in files
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+           for m in _TEST_PATH.findall(line) if not (ROOT / m).is_file()]
+    assert not bad, f"test files cited that do not exist: {bad}"
+
+
 def test_every_models_md_citation_names_the_projects_own_doc():
     assert (ROOT / "docs" / "MODELS.md").is_file()
     bad = []

@@ -166,6 +166,53 @@ def test_plot_reads_alone(tmp_path):
     assert _bar_groups([evaluated.evaluation("test")]) == ["all", "xx2en"]  # halves of groups are left out
 
 
+def test_plot_marks_each_runs_copy_the_source_chrf(tmp_path):
+    """Runs on different corpora: each chrF bar is marked at the copy-the-source chrF of that run's own test
+    lines (per group where the evaluation logged it, else for "all"); the .plot.json beside the PNG holds
+    the bars and marks drawn, the figure says what the marks are."""
+    from scaletrain.tracking.compare import COPY_MARK, plot_data_path
+
+    a = _run("a" * 32, "transformer", [5.0, 4.0], [_ev(FULL, 10.0, primary=True, full=True)])
+    a.evaluations[0].copy_chrf = {"all": 31.5, "xx2en": 12.25}
+    b = _run("b" * 32, "msc", [5.0, 4.5], [_ev(FULL, 12.0, primary=True, full=True)])
+    b.evaluations[0].copy_chrf = {"all": 4.75}  # another corpus, a lower floor; logged for all lines only
+    c = _run("c" * 32, "moce", [6.0, 5.0])  # not evaluated: no bar, no mark
+    png = plot_comparison([a, b, c], tmp_path / "c.png")
+    data = json.loads(plot_data_path(png).read_text())
+    assert plot_data_path(png).name == "c.plot.json" and data["groups"] == ["all", "xx2en"]
+    by_run = {r["run_id"]: r for r in data["bars"]}
+    assert by_run[a.run_id]["chrf"] == {"all": 20.0, "xx2en": 20.0}
+    assert by_run[a.run_id]["copy_source_chrf"] == {"all": 31.5, "xx2en": 12.25}
+    assert by_run[b.run_id]["copy_source_chrf"] == {"all": 4.75, "xx2en": None}
+    assert by_run[c.run_id]["evaluation"] is None and by_run[c.run_id]["copy_source_chrf"] == {"all": None, "xx2en": None}
+    bars = data["figure"]["axes"][2]
+    assert bars["lines"] == [COPY_MARK]  # one legend label for the three marks drawn
+    assert any(COPY_MARK in e for e in data["figure"]["legend"])
+    from PIL import Image
+
+    with Image.open(png) as im:
+        assert json.loads(im.text["Description"]) == data["figure"]
+    # the marks are drawn at those heights across their bars
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from scaletrain.tracking.compare import _chrf_panel
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    _chrf_panel(ax, [a, b, c], ["C0", "C1", "C2"], [r.evaluation("test") for r in (a, b, c)], ["all", "xx2en"])
+    ticks = sorted((round(ln.get_xdata()[0], 3), ln.get_ydata()[0]) for ln in ax.get_lines())
+    bw = 0.8 / 3
+    assert ticks == [(round(-1.5 * bw, 3), 31.5), (round(-0.5 * bw, 3), 4.75), (round(1 - 1.5 * bw, 3), 12.25)]
+    assert ax.get_ylim()[1] >= 31.5  # a mark above every bar still fits
+    plt.close(fig)
+    # no copy-the-source numbers at all: no marks and no legend entry for them
+    for r in (a, b):
+        r.evaluations[0].copy_chrf = {}
+    data = json.loads(plot_data_path(plot_comparison([a, b], tmp_path / "d.png")).read_text())
+    assert data["figure"]["axes"][2]["lines"] == [] and not any(COPY_MARK in e for e in data["figure"]["legend"])
+
+
 def test_old_records_still_show(tmp_path, monkeypatch):
     """A run evaluated before evaluations were named: its own test/* metrics are shown, labelled as an old
     record with what its eval_test.json says; nested evaluation runs are not listed as runs."""

@@ -2,8 +2,9 @@
 backward of a tiny model of each family through ``engine.model_prep.prepare_model`` (``engine.compile=true``,
 ``engine.compile_backend=aot_eager``; CPU: dynamo's capture and AOT autograd, graph breaks allowed) gives eager's
 loss and gradients, for a padded batch and, for the dense and one-hot families, an unpadded one
-(``src_padded=False``, the second graph training compiles). The four families run by default (~30 s of CPU); the
-other recipes' variants are marked slow. Inductor's code generation is the GPU suite's (``benchmarks/gpu_step.sh``).
+(``src_padded=False``, the second graph training compiles). The families (dense, one-hot, MoE, MoCE, MoCE + MoE)
+run by default; the other recipes' variants are marked slow. Inductor's code generation is the GPU suite's
+(``benchmarks/gpu_step.sh``).
 
 Seen failing without the MoE fix: dynamo traces ``torch._grouped_mm`` with its meta function, which refuses
 fp32 activations (CUDA's bf16 rule) that the CPU op accepts, so the MoE family raised at the first forward."""
@@ -24,8 +25,8 @@ TINY = ["model.d_model=32", "model.ffn_dim=48", "model.encoder_layers=1", "model
         "model.max_positions=64", "model.dropout=0.0", "data.max_bytes=40", "data.max_tokens=600",
         "engine.compile=true", "engine.compile_backend=aot_eager"]
 ONEHOT = ["model.d_model=272"]  # one-hot embeddings need d_model >= the vocabulary (264 here)
-# recipe -> (extra overrides, also the unpadded batch). The four families (dense Transformer, one-hot
-# embeddingless, MoE-FFN, MoCE) run by default; the unpadded batch (``src_padded=False``: attention without a mask,
+# recipe -> (extra overrides, also the unpadded batch). The families (dense Transformer, one-hot embeddingless,
+# MoE-FFN, MoCE, MoCE with MoE-FFN) run by default; the unpadded batch (``src_padded=False``: attention without a mask,
 # the Transformer's code every family shares) only where it is cheap. The other recipes' embedding and layer
 # variants are marked slow and take the padded batch only.
 FAMILIES = {
@@ -33,6 +34,8 @@ FAMILIES = {
     "embeddingless": (ONEHOT, True),
     "moe_base": (["moe.every=1", "moe.num_experts=4"], False),
     "moce_d5": ([], False),
+    # both kinds of experts in one model: MoCE's convolution experts and MoE FFN blocks
+    "moce_d5_moe": (["moe.every=1", "moe.num_experts=4"], False),
 }
 VARIANTS = {
     "byte_ncf": [*ONEHOT, "model.lobef.byte_layers=1"],

@@ -16,7 +16,8 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.eval.generate import translate_examples
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.eval.in_training import BestCheckpoint, BleuValidator, first_n_per_direction
-from scaletrain.vocab import ByteVocab
+from scaletrain.vocab import BYTE_OFFSET, ByteVocab
+from toy_decoders import LogitsOnly
 
 VOCAB = ByteVocab(["en", "de", "ja"])
 
@@ -96,6 +97,45 @@ def test_validator_for_run_reads_the_fixed_subset(django_shards):
     val = BleuValidator.for_run(cfg, vocab, n_per_direction=3)
     assert val.examples == first_n_per_direction(read_split(django_shards, "valid"), 3)
     assert len(val.examples) == 30 and val.decode_kw["beam"] == 1 and "latin" in val.groups
+
+
+class _Babbler(LogitsOnly):
+    """Writes 'b' and never EOS: only the length bounds end its lines."""
+
+    max_positions = 1024
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def decode_step(self, tokens, step, enc, cache):
+        logits = torch.full((tokens.shape[0], self.vocab_size), -10.0)
+        logits[:, BYTE_OFFSET + ord("b")] = 5.0
+        return logits, None
+
+
+def test_validator_for_run_decodes_within_the_bounds_evaluate_uses(django_shards):
+    """In-training BLEU and ``evaluate`` decode with one set of bounds (``decoding_bounds``): a model that never
+    ends stops at the limit from training's length ratio, not at max_len_a * src + max_len_b."""
+    from scaletrain.config import load_config
+    from scaletrain.data.shards import load_manifest
+    from scaletrain.eval.generate import RATIO_EXTRA, RATIO_SLACK, decoding_bounds, train_length_ratios
+
+    cfg = load_config("small", [f"data.shards={django_shards}"])
+    vocab = ByteVocab(load_manifest(django_shards).languages)
+    val = BleuValidator.for_run(cfg, vocab, n_per_direction=2)
+    res = val.run(_Babbler(vocab.size))
+    ratios = train_length_ratios(load_manifest(django_shards))
+    recipe = [int(cfg.eval.max_len_a * len(e.src) + cfg.eval.max_len_b) for e in val.examples]
+    want = [min(math.ceil(RATIO_SLACK * ratios[(e.src_lang, e.tgt_lang)] * len(e.src) + RATIO_EXTRA), r)
+            for e, r in zip(val.examples, recipe)]
+    assert [len(h) for h in res.hypotheses] == want
+    assert sum(w < r for w, r in zip(want, recipe)) > len(want) // 2  # mostly below the recipe's own limit
+    bounds = decoding_bounds(cfg.eval, django_shards)
+    assert {k: val.decode_kw.get(k) for k in bounds} == bounds and bounds["stop_invalid_utf8"] and bounds["length_ratios"]
+    ref = translate_examples(_Babbler(vocab.size), val.examples, vocab, batch_tokens=cfg.eval.batch_tokens, beam=1,
+                             lenpen=cfg.eval.lenpen, **bounds)  # what evaluate decodes
+    assert ref.texts == res.hypotheses and ref.n_at_limit == len(want)
 
 
 def test_best_checkpoint_max_min_patience_nan():

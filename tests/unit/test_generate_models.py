@@ -66,3 +66,65 @@ def test_real_model_translate_then_keep_training():
     b = collate(EXAMPLES)
     model(b.src, b.tgt_in).sum().backward()
     assert any(p.grad is not None for p in model.parameters())
+
+
+class _Keeper(torch.nn.Module):
+    """A toy decoder that keeps state created while decoding: a replaced buffer, a tuple, a dict of lists."""
+
+    max_positions = 64
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.kept: dict = {"per_step": []}
+        self.last = None
+
+    def encode(self, src):
+        from toy_decoders import Rows
+
+        return Rows(src.shape[0])
+
+    def decode_step(self, tokens, step, enc, cache):
+        self.calls = self.calls + 1  # a new tensor each step (made under inference mode)
+        self.last = (tokens.clone(), step)
+        self.kept["per_step"].append(torch.ones(2))
+        logits = torch.full((tokens.shape[0], VOCAB.size), -5.0)
+        logits[:, BYTE_OFFSET + ord("a")] = 1.0
+        logits[:, EOS] = 2.0 if step >= 2 else -50.0
+        return logits, None
+
+    def reorder_cache(self, cache, index):
+        return None
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_decoding_leaves_only_normal_tensors_on_the_model(beam):
+    """Decoding runs in inference mode; what the model kept from it is a normal tensor afterwards, so training
+    can update it in place (an inference tensor raises "Inplace update to inference tensor outside
+    InferenceMode")."""
+    model = _Keeper()
+    b = collate(EXAMPLES)
+    assert G.generate(model, b.src, b.tgt_in[:, 0], beam=beam, max_len_a=0, max_len_b=4)[0]
+    kept = [model.calls, model.last[0], *model.kept["per_step"]]
+    assert not any(t.is_inference() for t in kept) and len(kept) > 3
+    for t in kept:
+        t.add_(1)  # in place, outside inference mode
+    assert dict(model.named_buffers())["calls"] is model.calls
+
+
+@pytest.mark.parametrize("arch", ["transformer", "moce"])
+def test_inference_mode_decodes_the_same_hypotheses_as_no_grad(arch, monkeypatch):
+    """Decoding in inference mode (for speed) gives exactly the tokens and scores of decoding under no_grad,
+    greedy and beam, with and without the decoding bounds."""
+    model = tiny(arch).eval()
+    b = collate(EXAMPLES)
+
+    def decode():
+        return [[(h.tokens, h.score, h.cut) for h in G.generate_with_scores(
+            model, b.src, b.tgt_in[:, 0], beam=beam, lenpen=1.2, max_len_a=0, max_len_b=12, stop_invalid_utf8=utf8,
+            row_limits=torch.tensor([12, 3, 7, 12]))] for beam in (1, 4) for utf8 in (False, True)]
+
+    fast = decode()
+    monkeypatch.setattr(G.torch, "inference_mode", torch.no_grad)
+    assert decode() == fast
+    assert any(len(h[0]) > 3 for run in fast for h in run)  # hypotheses long enough to differ
