@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scaletrain.tracking.journal import RUN_FILE, Journal, now_ms
+from scaletrain.tracking.models import MODEL_RECORDS, apply_record
 from scaletrain.tracking.sender import Sender
 from scaletrain.tracking.store import MAX_METRICS_PER_BATCH, filled_run_name
 
@@ -26,15 +27,19 @@ log = logging.getLogger("scaletrain")
 __all__ = ["Outbox", "execute_op"]
 
 
-def execute_op(client, run_id: str, kind: str, payload: Any) -> None:
+def execute_op(client, run_id: str, kind: str, payload: Any, models=None) -> None:
     """Perform one queued operation with ``client``: ``metrics`` (a list of ``Metric`` for ``run_id``);
     ``params`` / ``tags`` / ``artifact`` / ``text`` / ``dict`` / ``end``, each a tuple whose first item is
-    the run id it was logged for."""
+    the run id it was logged for; the journal records of datasets and logged models (``inputs``, ``model``,
+    ``model_tags``, ``model_metrics``: (run id, record)), performed by
+    :func:`scaletrain.tracking.models.apply_record` with ``models`` (a ``ModelIds``)."""
     if kind == "metrics":
         client.log_batch(run_id, metrics=payload)
         return
     run_id = payload[0]
-    if kind == "params":
+    if kind in MODEL_RECORDS:
+        apply_record(client, run_id, payload[1], models)
+    elif kind == "params":
         client.log_batch(run_id, params=payload[1])
     elif kind == "tags":
         client.log_batch(run_id, tags=payload[1])
