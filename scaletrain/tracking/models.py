@@ -173,8 +173,12 @@ def apply_record(client, run_id: str, rec: Mapping[str, Any], models: ModelIds) 
     if kind == "model":
         return int(models.ensure(client, run_id, rec)[1])
     if kind == "model_tags":
-        client.set_logged_model_tags(models.get(client, run_id, rec["key"]), dict(rec["v"]))
-        return len(rec["v"])
+        mid = models.get(client, run_id, rec["key"])
+        have = client.get_logged_model(mid).tags
+        todo = {k: str(v) for k, v in rec["v"].items() if have.get(k) != str(v)}
+        if todo:
+            client.set_logged_model_tags(mid, todo)
+        return len(todo)
     if kind == "model_metrics":
         return _model_metrics(client, run_id, models.get(client, run_id, rec["key"]), rec)
     raise AssertionError(kind)

@@ -121,9 +121,14 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
         (client.log_artifacts if p.is_dir() else client.log_artifact)(run_id, str(p), adir)
         n_art += 1
     counts = {"inputs": 0, "model": 0, "model_tags": 0, "model_metrics": 0}
-    models = ModelIds()
-    for rec in r["records"]:  # in journal order: a model before its tags and metrics
-        counts[rec["t"]] += apply_record(client, run_id, rec, models)
+    models, tags = ModelIds(), {}
+    for rec in r["records"]:  # in journal order: a model before its metrics; each model's tags as they ended
+        if rec["t"] == "model_tags":
+            tags.setdefault(rec["key"], {}).update(rec["v"])
+        else:
+            counts[rec["t"]] += apply_record(client, run_id, rec, models)
+    for key, v in tags.items():
+        counts["model_tags"] += apply_record(client, run_id, {"t": "model_tags", "key": key, "v": v}, models)
     applied = None
     last = r["last"]
     if last is not None and last["t"] == "end" and run.info.status != last["status"]:
