@@ -30,6 +30,7 @@ model ``NAME``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -245,5 +246,23 @@ def _register(client, name: str, files: Path, *, run_id, experiment, step, fmt, 
     except MlflowException as e:
         if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
             raise
-    return client.create_model_version(name, source=f"models:/{model.model_id}", run_id=run_id,
-                                       model_id=model.model_id, tags=tags, description=description)
+    with _default_store(uri):
+        return client.create_model_version(name, source=f"models:/{model.model_id}", run_id=run_id,
+                                           model_id=model.model_id, tags=tags, description=description)
+
+
+@contextlib.contextmanager
+def _default_store(uri: str):
+    """``uri`` as MLflow's default store for a while: a local registry resolves a version's ``models:/<id>``
+    source with the default client, not the one it was called through (a TODO in MLflow's SQL registry)."""
+    import mlflow
+
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None: unset, which also removes the environment variable
+        if env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = env

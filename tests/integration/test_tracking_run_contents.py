@@ -235,3 +235,37 @@ def test_evaluation_run_reads_the_test_split_and_scores_the_checkpoints_model(jo
     assert linked["test/bleu/all"] == (3.5, logged.run_id, inp.dataset.name)
     assert "valid/nll" in linked
     assert parent.data.metrics["test/bleu/all"] == 3.5  # the full evaluation's headline on the training run
+
+
+def test_export_register_adds_a_model_registry_version(job, tmp_path, capsys):
+    """``export --register NAME``: the export's files as a logged model of the training run, a new version
+    of NAME each time; a tracking server that is down is one line, the export stays."""
+    from helpers import free_port
+
+    from scaletrain.cli import main
+    from scaletrain.errors import ScaletrainError
+    from scaletrain.tracking.models import register_export
+
+    res, uri, _ = job
+    out = tmp_path / "model.safetensors"
+    for version in (1, 2):
+        assert main(["export", res.out_dir, "--out", str(out), "--register", "nmt-tiny"]) == 0
+        assert f"as version {version} of model 'nmt-tiny' (models:/nmt-tiny/{version})" in capsys.readouterr().out
+    c = MlflowClient(uri)
+    mv = c.get_model_version("nmt-tiny", "2")
+    assert mv.run_id == res.run_id and mv.source.startswith("models:/m-")  # the logged model is its source
+    model = c.get_logged_model(mv.source[len("models:/"):])
+    assert model.source_run_id == res.run_id and model.model_type == "scaletrain-export"
+    assert model.tags["scaletrain.checkpoint.step"] == "4" and model.tags["scaletrain.export.format"] == "safetensors"
+    assert {f.path for f in c.list_logged_model_artifacts(model.model_id)} == {"MLmodel", "model.safetensors"}
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/nmt-tiny/{mv.version}", dst_path=str(tmp_path / "dl")))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert (local / "model.safetensors").read_bytes() == out.read_bytes()  # what one deploys, from the registry
+    with pytest.raises(ScaletrainError, match=r"unreachable .*the export is written at"):
+        register_export(f"http://127.0.0.1:{free_port()}", "x", out, run_id=res.run_id, experiment="e", step=4,
+                        fmt="safetensors", checkpoint=res.final_checkpoint, model_prefix="small")
