@@ -25,7 +25,8 @@ log = logging.getLogger("scaletrain")
 __all__ = ["Sender", "PERMANENT_ERRORS"]
 
 PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST",
-                    "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED"}  # MLflow error codes: no retry
+                    "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                    "ENDPOINT_NOT_FOUND"}  # MLflow error codes: no retry (the last: a server without that API)
 
 
 def _permanent(e: BaseException) -> bool:

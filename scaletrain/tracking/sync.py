@@ -120,15 +120,7 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
             continue
         (client.log_artifacts if p.is_dir() else client.log_artifact)(run_id, str(p), adir)
         n_art += 1
-    counts = {"inputs": 0, "model": 0, "model_tags": 0, "model_metrics": 0}
-    models, tags = ModelIds(), {}
-    for rec in r["records"]:  # in journal order: a model before its metrics; each model's tags as they ended
-        if rec["t"] == "model_tags":
-            tags.setdefault(rec["key"], {}).update(rec["v"])
-        else:
-            counts[rec["t"]] += apply_record(client, run_id, rec, models)
-    for key, v in tags.items():
-        counts["model_tags"] += apply_record(client, run_id, {"t": "model_tags", "key": key, "v": v}, models)
+    counts = _sync_models(client, run_id, r["records"])
     applied = None
     last = r["last"]
     if last is not None and last["t"] == "end" and run.info.status != last["status"]:
@@ -136,3 +128,26 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
         applied = last["status"]
     return SyncReport(run_id, len(missing), present, n_art, applied, datasets=counts["inputs"], models=counts["model"],
                       model_updates=counts["model_tags"] + counts["model_metrics"])
+
+
+def _sync_models(client, run_id: str, records: list[dict]) -> dict[str, int]:
+    """Replay the run's dataset and logged-model records (each idempotent); how many of each sent something.
+    A server without those APIs (MLflow 2) gets a warning, not a failed sync."""
+    from mlflow.exceptions import MlflowException
+
+    counts = {"inputs": 0, "model": 0, "model_tags": 0, "model_metrics": 0}
+    models, tags = ModelIds(), {}
+    try:
+        for rec in records:  # in journal order: a model before its metrics; each model's tags as they ended
+            if rec["t"] == "model_tags":
+                tags.setdefault(rec["key"], {}).update(rec["v"])
+            else:
+                counts[rec["t"]] += apply_record(client, run_id, rec, models)
+        for key, v in tags.items():
+            counts["model_tags"] += apply_record(client, run_id, {"t": "model_tags", "key": key, "v": v}, models)
+    except MlflowException as e:
+        if e.error_code != "ENDPOINT_NOT_FOUND":
+            raise
+        log.warning("tracking sync: run %s: the server has no dataset or logged-model API (an MLflow before 3?); "
+                    "its datasets and checkpoint models were not sent", run_id)
+    return counts
