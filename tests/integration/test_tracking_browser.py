@@ -18,12 +18,15 @@ is a failure. ``SCALETRAIN_CHROMIUM`` names another Chromium or Chrome binary.
 """
 from __future__ import annotations
 
+import getpass
+import hashlib
 import os
 import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlflow import MlflowClient
@@ -116,7 +119,9 @@ def test_run_page_and_experiment_in_a_real_browser(chromium, django_shards, tmp_
         eid, tags = run.info.experiment_id, run.data.tags
         assert c.get_experiment(eid).tags["mlflow.experimentKind"] == "custom_model_development"  # over REST
         (child,) = c.search_runs([eid], filter_string=f"tags.mlflow.parentRunId = '{res.run_id}'")
-        ds = run.inputs.dataset_inputs[0].dataset
+        # the dataset the pages must show: the corpus, named and digested from its manifest
+        ds = SimpleNamespace(name=tags["corpus"], digest=hashlib.sha256(
+            (Path(django_shards) / "manifest.json").read_bytes()).hexdigest()[:12])
         # the links scaletrain prints: MLflow 3.17's UI opens an experiment on the view of its GenAI / Model
         # training switch (GenAI unless the browser remembers otherwise); workflowType picks the training one
         view = "?workflowType=machine_learning"
@@ -140,7 +145,7 @@ def _check_run_page(page: str, run, child, ds) -> None:
     tags = run.data.tags
     expect = [
         run.info.run_name,
-        f"Created by {tags['mlflow.user']}",
+        f"Created by {getpass.getuser()}",
         f"Datasets {ds.name} ({ds.digest}) train",  # the corpus, read as its train split
         f"Child runs {child.info.run_name}",  # the nested evaluation
         "Description Training of the small recipe (transformer",  # the note, as markdown
