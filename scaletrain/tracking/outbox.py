@@ -140,20 +140,20 @@ class Outbox:
         return bool(self.sender is not None and self.sender.failing)
 
     def finish(self, run_id: str, timeout: float) -> bool:
-        """After the run's last operation: wait at most ``timeout`` s for the sender, then let it end (or
-        abandon what it could not send: the journal keeps it) and close the journal. True if the store got
-        everything."""
+        """After the run's last operation: wait at most ``timeout`` s for the sender, then end its thread (or
+        abandon what it could not send: the journal keeps it) and join it (:meth:`Sender.stop`: a few seconds
+        at most), and close the journal. True if the store got everything."""
         ok = self.sender.wait(timeout=timeout)
         where = f" {self.local_dir.parent}" if self.local_dir is not None else ""
         if ok and self.sender.dropped:
             ok = False
             log.warning("tracking: %d metric values of run %s were kept only in the journal during the outage; "
                         "`scaletrain tracking sync%s` uploads them", self.sender.dropped, run_id, where)
-            self.sender.close()
+            self.sender.stop()
         elif ok:
-            self.sender.close()
+            self.sender.stop()
         else:
-            self.sender.abandon()
+            self.sender.stop(abandon=True)
             log.warning("tracking: MLflow run %s did not get everything before the end (%s); %s", run_id,
                         self.sender.last_error,
                         f"`scaletrain tracking sync{where}` uploads it" if where else "it is lost")

@@ -42,6 +42,7 @@ def test_long_outage_bounded_memory_and_sync_fills_the_gap(tmp_path, monkeypatch
         assert tr.server_failing and tr.pending <= 11 and tr.outbox.sender.dropped >= 39  # capped in memory
         down.clear()
         assert tr.end() is False  # the run ended, but some values are only in the journal
+        assert not tr.outbox.sender.is_alive()
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("unreachable" in m for m in msgs) == 1
     assert sum("kept only in the run directory" in m for m in msgs) == 1
@@ -65,6 +66,7 @@ def test_end_status_waits_in_the_journal_when_the_store_stays_down(tmp_path, mon
     t0 = time.monotonic()
     assert tr.end("KILLED", timeout=0.5) is False
     assert time.monotonic() - t0 < 2.0
+    assert not tr.outbox.sender.is_alive()  # ended and joined: nothing of tracking is left running at exit
     c = MlflowClient(uri)
     assert c.get_run(rid).info.status == "RUNNING"
     (rep,) = T.sync_run(tmp_path / "run")
