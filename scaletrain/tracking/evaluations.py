@@ -69,7 +69,8 @@ def _nested_run(client, experiment_id: str, parent, name: str, tags: Mapping[str
 
     run = client.create_run(experiment_id, run_name=name,
                             tags={**{safe_key(k): str(v)[:MAX_TAG_VAL] for k, v in tags.items()},
-                                  **source_tags("scaletrain evaluate"), NOTE_TAG: _note(name, tags, parent)[:MAX_TAG_VAL],
+                                  **source_tags("scaletrain evaluate"),
+                                  NOTE_TAG: _note(name, tags, parent)[:MAX_TAG_VAL],
                                   "mlflow.parentRunId": parent.info.run_id})
     rid = run.info.run_id
     try:
@@ -122,12 +123,13 @@ def _note(name: str, tags: Mapping[str, str], parent) -> str:
     import socket
 
     t = {k[len(TAG_PREFIX):]: v for k, v in tags.items() if k.startswith(TAG_PREFIX)}
-    lines = f"all {t.get('lines')} lines" if t.get("full") == "True" else f"the first {t.get('max_lines')} lines per direction"
+    lines = (f"all {t.get('lines')} lines" if t.get("full") == "True"
+             else f"the first {t.get('max_lines')} lines per direction")
     return (f"Evaluation `{name}` of checkpoint {t.get('checkpoint')} (step {t.get('step')}) of the training run "
             f"{parent.info.run_name or parent.info.run_id}: split {t.get('split')} of {t.get('shards')} ({lines}), "
             f"beam {t.get('beam')}, length penalty {t.get('lenpen')}, output length at most "
-            f"{t.get('max_len_a')} x source + {t.get('max_len_b')}; BLEU and chrF by sacrebleu, beside a copy-the-source "
-            f"baseline. Decoded on host {socket.gethostname()} by `scaletrain evaluate`.")
+            f"{t.get('max_len_a')} x source + {t.get('max_len_b')}; BLEU and chrF by sacrebleu, beside a "
+            f"copy-the-source baseline. Decoded on host {socket.gethostname()} by `scaletrain evaluate`.")
 
 
 def log_evaluation(uri: str | None, parent_run_id: str, name: str, *, tags: Mapping[str, str],

@@ -233,8 +233,8 @@ def checkpoint_models(cfg: Config, out_dir: Path, dataset: dict, param_counts: M
               "precision": cfg.engine.precision, **{f"params.{k}": str(v) for k, v in param_counts.items()}}
     best = dict(best_metric=safe_key(tc.best_metric), best_mode=tc.best_mode, min_delta=float(tc.best_min_delta),
                 best_dir=Path(out_dir) / "checkpoints" / "best") if tc.best_metric else {}
-    return CheckpointModels(prefix=cfg.name, params=params, dataset={"name": dataset["name"], "digest": dataset["digest"]},
-                            **best)
+    return CheckpointModels(prefix=cfg.name, params=params,
+                            dataset={"name": dataset["name"], "digest": dataset["digest"]}, **best)
 
 
 def _devices(engine) -> str:
