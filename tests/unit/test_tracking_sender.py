@@ -57,13 +57,20 @@ def test_long_outage_bounded_memory_and_sync_fills_the_gap(tmp_path, monkeypatch
     assert sorted((m.step, m.value) for m in c.get_metric_history(rid, "loss")) == [(s, float(s)) for s in range(50)]
 
 
-def test_end_status_waits_in_the_journal_when_the_store_stays_down(tmp_path, monkeypatch):
+def _run_while_down(tmp_path, monkeypatch):
+    """(a tracker whose run was created in ``tmp_path/mlruns.db`` and whose sender finds the store down from
+    then on, its run id, the store's URI); the run's directory is ``tmp_path/run``."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     tr = T.Tracker(uri, "e", "r", True, tmp_path, flush_every=1, local_dir=tmp_path / "run" / "tracking",
                    max_backoff=0.05)
     rid = tr.start()
     _flaky(tr)
+    return tr, rid, uri
+
+
+def test_end_status_waits_in_the_journal_when_the_store_stays_down(tmp_path, monkeypatch):
+    tr, rid, uri = _run_while_down(tmp_path, monkeypatch)
     tr.log_metrics({"loss": 1.0}, step=1)
     t0 = time.monotonic()
     assert tr.end("KILLED", timeout=0.5) is False
@@ -80,12 +87,7 @@ def test_end_status_waits_in_the_journal_when_the_store_stays_down(tmp_path, mon
 def test_sync_brings_datasets_and_checkpoint_models_the_store_missed(tmp_path, monkeypatch):
     """The store is down from the start of the run to its end: `tracking sync` brings the dataset input, the
     checkpoints' logged models, their tags, linked metrics and the end status; run again, it sends nothing."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    tr = T.Tracker(uri, "e", "r", True, tmp_path, flush_every=1, local_dir=tmp_path / "run" / "tracking",
-                   max_backoff=0.05)
-    rid = tr.start()
-    _flaky(tr)
+    tr, rid, uri = _run_while_down(tmp_path, monkeypatch)
     ds = log_toy_checkpoints(tr, tmp_path / "ckpt")
     assert tr.end("FINISHED", timeout=0.5) is False
     c = MlflowClient(uri)
