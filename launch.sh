@@ -182,10 +182,14 @@ other = f" {shlex.quote(str(others[-1]))}" if others else ""
 print(f"  scaletrain compare {q}{other} --plot {shlex.quote(str(run / 'compare.png'))}    # more run dirs or run ids: more columns")
 print(f"  scaletrain export {q} --out {shlex.quote(str(run / 'model.safetensors'))}"
       f"    # or --format hf --out {shlex.quote(str(run / 'hf'))}")
+def page(base):  # the run's page, in the UI's training view (MLflow 3 opens on its GenAI view otherwise)
+    eid = info.get("experiment_id")
+    return (f"{base}/#/experiments/{eid}/runs/{info['run_id']}?workflowType=machine_learning" if eid
+            else f"{base} (experiment '{exp}', run {info['run_id']})")
 if uri and uri.startswith(("sqlite:", "file:", "/")):
-    print(f"  mlflow ui --backend-store-uri {shlex.quote(uri)}    # then open experiment '{exp}', run {info['run_id']}")
+    print(f"  mlflow ui --backend-store-uri {shlex.quote(uri)}    # then open {page('http://127.0.0.1:5000')}")
 elif uri:
-    print(f"  MLflow: {uri} (experiment '{exp}', run {info['run_id']})")
+    print(f"  MLflow: {page(uri.rstrip('/'))}")
 else:
     print("  (MLflow tracking was off for this run: tracking.enabled=false)")
 NEXT

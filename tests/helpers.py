@@ -260,3 +260,42 @@ def make_wheel(folder: Path, name: str, requires: tuple[str, ...] = ()) -> Path:
         z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(info + "RECORD", "")
     return whl
+
+
+# ---- tracking ----------------------------------------------------------------------------------------
+def log_toy_checkpoints(tr, root):
+    """Through tracker ``tr`` (a ``scaletrain.tracking.Tracker``): a toy corpus as the run's input, checkpoints
+    at steps 10 and 20 (directories under ``root``) as logged models with their validation nll, step 10's
+    deleted (keep_last) before step 20's is recorded. Returns the dataset."""
+    import json
+    import shutil
+
+    from scaletrain.tracking.checkpoint_models import CheckpointModels
+    from scaletrain.tracking.datasets import corpus_dataset
+
+    man = {"languages": ["de", "en"], "splits": {"train": {"n_examples": 8}, "test": {"n_examples": 2}},
+           "source": {"name": "toy"}}
+    ds = corpus_dataset(man, json.dumps(man).encode(), root / "shards")
+    tr.checkpoint_models = CheckpointModels(prefix="toy", dataset={"name": ds["name"], "digest": ds["digest"]})
+    tr.log_input(ds, "train")
+    for step, nll in ((10, 3.0), (20, 2.0)):
+        (root / f"step-{step:07d}").mkdir(parents=True)
+        tr.log_metrics({"valid/nll": nll}, step=step)
+        if step == 20:
+            shutil.rmtree(root / "step-0000010")
+        tr.log_checkpoint(root / f"step-{step:07d}", step)
+    return ds
+
+
+def assert_toy_checkpoint_models(c, rid, ds):
+    """What :func:`log_toy_checkpoints` logged is in the store of MLflow client ``c``, each thing once."""
+    run = c.get_run(rid)
+    assert [(d.dataset.name, d.dataset.digest) for d in run.inputs.dataset_inputs] == [(ds["name"], ds["digest"])]
+    models = c.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{rid}'",
+                                    order_by=[{"field_name": "metrics.valid/nll", "ascending": True}])
+    assert [(m.name, m.tags["scaletrain.checkpoint.exists"], m.tags["scaletrain.best"]) for m in models] == [
+        ("toy-step-20", "true", "true"), ("toy-step-10", "false", "false")]
+    assert [[(x.key, x.step, x.value, x.dataset_digest) for x in m.metrics] for m in models] == [
+        [("valid/nll", 20, 2.0, ds["digest"])], [("valid/nll", 10, 3.0, ds["digest"])]]
+    assert sorted(o.step for o in run.outputs.model_outputs) == [10, 20]
+    assert sorted((m.step, m.value) for m in c.get_metric_history(rid, "valid/nll")) == [(10, 3.0), (20, 2.0)]

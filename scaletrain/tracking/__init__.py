@@ -13,6 +13,12 @@ node's system-metrics sampler.
 * :mod:`~scaletrain.tracking.records` - what an evaluation is called (``test.full.beam5.lp1.0.step1200``) and
   where its record lives (``eval`` writes them, ``compare`` reads them);
 * :mod:`~scaletrain.tracking.evaluations` - each evaluation as a run nested under the training run;
+* :mod:`~scaletrain.tracking.datasets` - the corpus as an ``mlflow.data`` dataset (a run's input, the split as
+  its context);
+* :mod:`~scaletrain.tracking.models` - checkpoints as logged models (metrics linked, the best tagged), exports
+  in the Model Registry; :mod:`~scaletrain.tracking.checkpoint_models` - which model records a checkpoint
+  calls for;
+* :mod:`~scaletrain.tracking.provenance` - MLflow's source, git, user tags; the run's description tag;
 * :mod:`~scaletrain.tracking.system_metrics` - one system-metrics sampler per node, outage-proof;
 * :mod:`~scaletrain.tracking.plots` - a run's learning curves, expert usage, evaluation bars (matplotlib, Agg);
 * :mod:`~scaletrain.tracking.compare` - ``scaletrain compare``: runs side by side, tables and a PNG. Import it

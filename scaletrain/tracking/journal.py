@@ -10,7 +10,12 @@ run's list of checkpoints (``tracking/artifacts/checkpoints.json``, uploaded as 
 
 Record kinds (``"t"``): ``start`` / ``resume`` (``run_id``, ``uri``, ``ts``), ``m`` (``s`` step, ``ts``,
 ``v`` {key: value}), ``params`` / ``tags`` (``v``), ``artifact`` (``path``, ``dir``), ``end`` (``status``,
-``ts``). Plain JSON lines: a torn last line (a crash mid-write) is skipped on reading, nothing else is lost.
+``ts``); datasets and logged models (:mod:`scaletrain.tracking.models`): ``inputs`` (``datasets``: [{``dataset``:
+the MLflow dataset's fields, ``context``: the split}]), ``model`` (a checkpoint: ``key`` = its directory name,
+``step``, ``name``, ``tags``, ``params``), ``model_tags`` (``key``, ``v``), ``model_metrics`` (``key``, ``s``,
+``m`` [[metric, value, ts]], ``dataset`` {``name``, ``digest``}). Logged models are named by their checkpoint,
+not by the id the server gives them, so replaying a record finds the model it made before. Plain JSON
+lines: a torn last line (a crash mid-write) is skipped on reading, nothing else is lost.
 """
 from __future__ import annotations
 

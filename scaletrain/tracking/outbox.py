@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scaletrain.tracking.journal import RUN_FILE, Journal, now_ms
+from scaletrain.tracking.models import MODEL_RECORDS, apply_record
 from scaletrain.tracking.sender import Sender
 from scaletrain.tracking.store import MAX_METRICS_PER_BATCH, filled_run_name
 
@@ -26,15 +27,19 @@ log = logging.getLogger("scaletrain")
 __all__ = ["Outbox", "execute_op"]
 
 
-def execute_op(client, run_id: str, kind: str, payload: Any) -> None:
+def execute_op(client, run_id: str, kind: str, payload: Any, models=None) -> None:
     """Perform one queued operation with ``client``: ``metrics`` (a list of ``Metric`` for ``run_id``);
     ``params`` / ``tags`` / ``artifact`` / ``text`` / ``dict`` / ``end``, each a tuple whose first item is
-    the run id it was logged for."""
+    the run id it was logged for; the journal records of datasets and logged models (``inputs``, ``model``,
+    ``model_tags``, ``model_metrics``: (run id, record)), performed by
+    :func:`scaletrain.tracking.models.apply_record` with ``models`` (a ``ModelIds``)."""
     if kind == "metrics":
         client.log_batch(run_id, metrics=payload)
         return
     run_id = payload[0]
-    if kind == "params":
+    if kind in MODEL_RECORDS:
+        apply_record(client, run_id, payload[1], models)
+    elif kind == "params":
         client.log_batch(run_id, params=payload[1])
     elif kind == "tags":
         client.log_batch(run_id, tags=payload[1])
@@ -135,20 +140,20 @@ class Outbox:
         return bool(self.sender is not None and self.sender.failing)
 
     def finish(self, run_id: str, timeout: float) -> bool:
-        """After the run's last operation: wait at most ``timeout`` s for the sender, then let it end (or
-        abandon what it could not send: the journal keeps it) and close the journal. True if the store got
-        everything."""
+        """After the run's last operation: wait at most ``timeout`` s for the sender, then end its thread (or
+        abandon what it could not send: the journal keeps it) and join it (:meth:`Sender.stop`: a few seconds
+        at most), and close the journal. True if the store got everything."""
         ok = self.sender.wait(timeout=timeout)
         where = f" {self.local_dir.parent}" if self.local_dir is not None else ""
         if ok and self.sender.dropped:
             ok = False
             log.warning("tracking: %d metric values of run %s were kept only in the journal during the outage; "
                         "`scaletrain tracking sync%s` uploads them", self.sender.dropped, run_id, where)
-            self.sender.close()
+            self.sender.stop()
         elif ok:
-            self.sender.close()
+            self.sender.stop()
         else:
-            self.sender.abandon()
+            self.sender.stop(abandon=True)
             log.warning("tracking: MLflow run %s did not get everything before the end (%s); %s", run_id,
                         self.sender.last_error,
                         f"`scaletrain tracking sync{where}` uploads it" if where else "it is lost")

@@ -22,10 +22,13 @@ from scaletrain.tracking.store import MAX_METRICS_PER_BATCH
 
 log = logging.getLogger("scaletrain")
 
-__all__ = ["Sender", "PERMANENT_ERRORS"]
+__all__ = ["Sender", "PERMANENT_ERRORS", "JOIN_TIMEOUT"]
+
+JOIN_TIMEOUT = 2.0  # seconds the end of a job waits for a sender thread to finish, after its last request
 
 PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST",
-                    "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED"}  # MLflow error codes: no retry
+                    "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                    "ENDPOINT_NOT_FOUND"}  # MLflow error codes: no retry (the last: a server without that API)
 
 
 def _permanent(e: BaseException) -> bool:
@@ -174,3 +177,13 @@ class Sender(threading.Thread):
             self._abandon = True
             self._closing = True
             self._cv.notify_all()
+
+    def stop(self, abandon: bool = False, timeout: float = JOIN_TIMEOUT) -> bool:
+        """End the thread and join it, waiting at most ``timeout`` s: :meth:`close` (it ends once the queue is
+        empty) or, with ``abandon``, :meth:`abandon` (it ends as soon as a request in flight returns: a
+        refused connection at once, an unanswered one after ``MLFLOW_HTTP_REQUEST_TIMEOUT``). True if it
+        ended; otherwise, a daemon thread, it cannot hold up the interpreter's exit."""
+        self.abandon() if abandon else self.close()
+        if self is not threading.current_thread():
+            self.join(timeout)
+        return not self.is_alive()

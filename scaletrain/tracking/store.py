@@ -13,6 +13,10 @@ For HTTP stores, MLflow's own retries (7, backoff up to 120 s) are turned off in
 ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set (:func:`fast_failing_http`):
 the tracker's sender retries by itself.
 
+Experiments the tracker creates or uses are tagged ``mlflow.experimentKind=custom_model_development``
+(:data:`EXPERIMENT_KIND`), so MLflow 3's UI opens them on the training runs rather than the GenAI overview
+(traces, token usage), which it shows for experiments of no kind.
+
 Run names: the trainer names a run ``<recipe> · <out_dir> · <short id>`` (:func:`default_run_name`; the
 ``{run_id}`` field of a name becomes the first 6 hex digits of the run id when the run is created), so runs
 of one recipe differ in MLflow's run list and in ``scaletrain compare``; a resumed run keeps its name.
@@ -30,13 +34,15 @@ from typing import Any, Mapping
 
 from scaletrain.errors import ScaletrainError
 
-__all__ = ["DEFAULT_EXPERIMENT", "RUN_ID_FIELD", "MAX_PARAM_VAL", "MAX_KEY", "MAX_TAG_VAL", "MAX_METRICS_PER_BATCH",
+__all__ = ["DEFAULT_EXPERIMENT", "EXPERIMENT_KIND", "RUN_ID_FIELD", "MAX_PARAM_VAL", "MAX_KEY", "MAX_TAG_VAL", "MAX_METRICS_PER_BATCH",
            "MAX_PARAMS_PER_BATCH", "default_tracking_uri", "resolve_tracking_uri", "tracking_client",
            "fast_failing_http", "server_unreachable", "experiment_id", "create_run", "reopen_run", "default_run_name",
            "filled_run_name",
            "safe_key", "flatten_params"]
 
 DEFAULT_EXPERIMENT = "scaletrain"
+# MLflow's UI opens an experiment of this kind on its training runs (its runs table), not on the GenAI overview
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 RUN_ID_FIELD = "{run_id}"  # in a run name: replaced by the run id's first 6 hex digits when the run starts
 # MLflow's limits (mlflow.utils.validation): a parameter value, a metric/param/tag key, a tag value, and the
 # metrics / params (or tags) of one log_batch request
@@ -113,15 +119,21 @@ def _artifact_location(uri: str, project_dir) -> str | None:
 
 def experiment_id(client, name: str, uri: str, project_dir) -> str:
     """The id of experiment ``name`` in the store at ``uri``, created (its artifacts placed as the module
-    docstring says) when missing; a deleted one is an error naming what to do."""
+    docstring says) when missing; a deleted one is an error naming what to do. The experiment is marked as
+    model training (:data:`EXPERIMENT_KIND`), unless someone chose its kind (the UI's guesses, ``..._inferred``,
+    are replaced)."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        return client.create_experiment(name, artifact_location=_artifact_location(uri, project_dir))
+        return client.create_experiment(name, artifact_location=_artifact_location(uri, project_dir),
+                                        tags=dict([EXPERIMENT_KIND]))
     if exp.lifecycle_stage == "deleted":
         raise ScaletrainError(
             f"tracking: experiment {name!r} is deleted in {uri}; restore it "
             "(mlflow experiments restore) or choose another tracking.experiment"
         )
+    kind = exp.tags.get(EXPERIMENT_KIND[0], "")
+    if not kind or kind.endswith("_inferred") or kind == "no_inferred_type":  # the UI's guesses are replaced
+        client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
     return exp.experiment_id
 
 

@@ -3,7 +3,9 @@
 Training appends every metric, param, tag, artifact and the end status to ``RUN_DIR/tracking/journal.jsonl``
 before sending it (:mod:`scaletrain.tracking.journal`), and each node's system metrics to
 ``tracking/system/<node>/journal.jsonl``. :func:`sync_run` sends whatever is not on the server yet, matching
-metrics by (key, step, timestamp) so nothing is sent twice, and applies a pending end status.
+metrics by (key, step, timestamp) so nothing is sent twice, the run's dataset inputs and its checkpoints'
+logged models (found by their checkpoint, never made twice: :mod:`scaletrain.tracking.models`), and
+applies a pending end status.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.tracking.journal import JOURNAL, RUN_FILE, read_journal
+from scaletrain.tracking.models import MODEL_RECORDS, ModelIds, apply_record
 from scaletrain.tracking.store import MAX_METRICS_PER_BATCH, MAX_PARAMS_PER_BATCH, fast_failing_http, tracking_client
 
 log = logging.getLogger("scaletrain")
@@ -31,6 +34,9 @@ class SyncReport:
     metrics_present: int
     artifacts: int
     status: str | None  # the status applied, None if nothing to apply
+    datasets: int = 0  # dataset inputs the run did not have
+    models: int = 0  # checkpoints' logged models created
+    model_updates: int = 0  # logged models' tags and linked metric values sent
 
 
 def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncReport]:
@@ -54,7 +60,7 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
         t = rec.get("t")
         if t in ("start", "resume"):
             cur = rec["run_id"]
-        r = by_run.setdefault(cur, {"m": [], "params": {}, "tags": {}, "artifacts": [], "last": None})
+        r = by_run.setdefault(cur, {"m": [], "params": {}, "tags": {}, "artifacts": [], "records": [], "last": None})
         if t == "m":
             r["m"].extend((k, v, rec["ts"], rec["s"]) for k, v in rec["v"].items())
         elif t == "params":
@@ -63,6 +69,8 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
             r["tags"].update(rec["v"])
         elif t == "artifact":
             r["artifacts"].append((rec["path"], rec.get("dir")))
+        elif t in MODEL_RECORDS:
+            r["records"].append(rec)
         if t in ("start", "resume", "end"):
             r["last"] = rec
     for sys_journal in sorted((tdir / "system").glob(f"*/{JOURNAL}")):  # scaletrain.tracking.system_metrics, per node
@@ -112,9 +120,34 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
             continue
         (client.log_artifacts if p.is_dir() else client.log_artifact)(run_id, str(p), adir)
         n_art += 1
+    counts = _sync_models(client, run_id, r["records"])
     applied = None
     last = r["last"]
     if last is not None and last["t"] == "end" and run.info.status != last["status"]:
         client.set_terminated(run_id, status=last["status"], end_time=last["ts"])
         applied = last["status"]
-    return SyncReport(run_id, len(missing), present, n_art, applied)
+    return SyncReport(run_id, len(missing), present, n_art, applied, datasets=counts["inputs"], models=counts["model"],
+                      model_updates=counts["model_tags"] + counts["model_metrics"])
+
+
+def _sync_models(client, run_id: str, records: list[dict]) -> dict[str, int]:
+    """Replay the run's dataset and logged-model records (each idempotent); how many of each sent something.
+    A server without those APIs (MLflow 2) gets a warning, not a failed sync."""
+    from mlflow.exceptions import MlflowException
+
+    counts = {"inputs": 0, "model": 0, "model_tags": 0, "model_metrics": 0}
+    models, tags = ModelIds(), {}
+    try:
+        for rec in records:  # in journal order: a model before its metrics; each model's tags as they ended
+            if rec["t"] == "model_tags":
+                tags.setdefault(rec["key"], {}).update(rec["v"])
+            else:
+                counts[rec["t"]] += apply_record(client, run_id, rec, models)
+        for key, v in tags.items():
+            counts["model_tags"] += apply_record(client, run_id, {"t": "model_tags", "key": key, "v": v}, models)
+    except MlflowException as e:
+        if e.error_code != "ENDPOINT_NOT_FOUND":
+            raise
+        log.warning("tracking sync: run %s: the server has no dataset or logged-model API (an MLflow before 3?); "
+                    "its datasets and checkpoint models were not sent", run_id)
+    return counts

@@ -155,10 +155,8 @@ class NodeSystemMetrics:
         ok = self._sender.wait(timeout=timeout)
         if self._journal is not None:
             self._journal.close()
-        if ok:
-            self._sender.close()
-        else:
-            self._sender.abandon()
+        self._sender.stop(abandon=not ok)  # the thread ends and is joined (a few seconds at most)
+        if not ok:
             log.warning("system metrics of %s: the tracking server did not take the last samples (%s)%s",
                         self.node_id, self._sender.last_error,
                         "; they are in the journal: `scaletrain tracking sync RUN_DIR` uploads them"

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from scaletrain.errors import ScaletrainError
+from scaletrain.tracking.checkpoint_models import CheckpointModels
 from scaletrain.tracking.journal import CHECKPOINTS_FILE, checkpoint_list, now_ms
+from scaletrain.tracking.models import ModelIds
 from scaletrain.tracking.outbox import Outbox, execute_op
 from scaletrain.tracking.store import (DEFAULT_EXPERIMENT, MAX_PARAMS_PER_BATCH, MAX_TAG_VAL, RUN_ID_FIELD, create_run,
                                        experiment_id, fast_failing_http, flatten_params, reopen_run,
@@ -105,6 +107,9 @@ class Tracker:
         self.experiment_id: str | None = None
         self._client_obj = None
         self._ended = False
+        self.models = ModelIds()  # the checkpoints' logged models on the server (the sender thread's)
+        self.checkpoint_models: CheckpointModels | None = None  # set: each checkpoint is a logged model
+        self._last: dict[str, tuple[int, int, float]] = {}  # metric key -> last (step, timestamp, value)
         self.outbox = Outbox(self._execute, local_dir=self.local_dir, flush_every=flush_every, flush_secs=flush_secs,
                              max_backoff=max_backoff, max_queued=max_queued)
         if self.is_main:
@@ -145,7 +150,7 @@ class Tracker:
 
     def _execute(self, kind: str, payload: Any) -> None:
         """Runs on the sender thread."""
-        execute_op(self.client, self.run_id, kind, payload)
+        execute_op(self.client, self.run_id, kind, payload, self.models)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def unreachable(self, timeout: float = 5.0) -> str | None:
@@ -267,6 +272,7 @@ class Tracker:
             vals[safe_key(k)] = val
         self.outbox.record({"t": "m", "s": int(step), "ts": ts, "v": vals})
         self.outbox.add_metrics([Metric(k, v, ts, int(step)) for k, v in vals.items()])
+        self._last.update((k, (int(step), ts, v)) for k, v in vals.items())
 
     def flush(self, timeout: float | None = None) -> bool:
         """Hand the buffered metrics to the sender and wait up to ``timeout`` seconds (default
@@ -297,14 +303,36 @@ class Tracker:
         self.outbox.record({"t": "artifact", "path": str(p.resolve()), "dir": artifact_path})
         self.outbox.send("artifact", (run_id, str(p), artifact_path))
 
+    def log_input(self, dataset: Mapping[str, Any], context: str) -> None:
+        """Log a dataset (:func:`scaletrain.tracking.datasets.corpus_dataset`) as an input of the run, read as
+        split ``context`` (journaled, sent in the background; the store keeps one input per dataset)."""
+        if not self.is_main:
+            return
+        self._model_record({"t": "inputs", "datasets": [{"dataset": dict(dataset), "context": str(context)}]})
+
+    def _model_record(self, rec: dict) -> None:
+        """Journal a dataset / logged-model record and queue it (after the metrics logged before it)."""
+        run_id = self._require_run(rec["t"])
+        self.outbox.submit_metrics()
+        self.outbox.record(rec)
+        self.outbox.send(rec["t"], (run_id, rec))
+
     def log_checkpoint(self, ckpt_dir: str | os.PathLike, step: int) -> None:
         """Add a written checkpoint to the run's ``checkpoints.json`` artifact (every checkpoint of the job,
         resumed sessions included: ``step``, ``path``, ``time``, and ``exists``, false once ``keep_last``
-        pruned it). Written in ``local_dir/artifacts`` and uploaded in the background: never waits."""
+        pruned it). Written in ``local_dir/artifacts`` and uploaded in the background: never waits. With
+        :attr:`checkpoint_models` set, the checkpoint is also a logged model of the run, its validation
+        metrics linked to it, the models of deleted checkpoints and the best one tagged
+        (:mod:`scaletrain.tracking.models`)."""
         if not self.is_main or self.run_id is None:
             return
         dest = self._local_artifact(CHECKPOINTS_FILE)
         data = checkpoint_list(dest, ckpt_dir, step, self.run_id)
+        if self.checkpoint_models is not None:
+            entries = data["checkpoints"]
+            new = next(e for e in entries if e["path"] == str(Path(ckpt_dir).resolve()))
+            for rec in self.checkpoint_models.records(entries, new, self._last):
+                self._model_record(rec)
         if dest is None:
             self.outbox.send("dict", (self.run_id, data, CHECKPOINTS_FILE))
             return

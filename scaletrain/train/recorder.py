@@ -27,7 +27,10 @@ from typing import Callable, Mapping
 
 from scaletrain.config import Config, dump_yaml, flatten, to_dict
 from scaletrain.tracking import (JOURNAL, NodeSystemMetrics, Tracker, broadcast_run_id, default_run_name,
-                                 node_layout, plot_expert_usage, plot_learning_curves)
+                                 node_layout, plot_expert_usage, plot_learning_curves, safe_key)
+from scaletrain.tracking.checkpoint_models import CheckpointModels
+from scaletrain.tracking.datasets import corpus_dataset
+from scaletrain.tracking.provenance import NOTE_TAG, git_info, source_tags
 from scaletrain.train.replay import ReplayFilter
 
 log = logging.getLogger("scaletrain")
@@ -64,15 +67,19 @@ class RunRecorder:
         cfg, eng = self.cfg, self.engine
         run_id = None
         if eng.is_main and self.enabled:
+            dataset = corpus_dataset(manifest.to_dict(), _manifest_bytes(cfg), cfg.data.shards)
             if resumed_run_id:
                 run_id = self.tracker.resume(resumed_run_id)
             else:
                 params = flatten(to_dict(cfg))
                 params.update({"world_size": eng.world_size, "vocab_size": vocab_size})
                 params.update({f"params.{k}": v for k, v in param_counts.items()})
-                run_id = self.tracker.start(params, tags=run_tags(cfg, eng, manifest))
+                tags = {**run_tags(cfg, eng, manifest), NOTE_TAG: run_note(cfg, eng, dataset, param_counts)}
+                run_id = self.tracker.start(params, tags=tags)
                 self.tracker.log_text(dump_yaml(cfg), "config.yaml")
                 self._log_setup_artifacts()
+            self.tracker.log_input(dataset, "train")  # once per run: the store keeps one input per dataset
+            self.tracker.checkpoint_models = checkpoint_models(cfg, self.out_dir, dataset, param_counts)
         run_id = broadcast_run_id(run_id, eng.is_main)
         self._start_system_metrics(run_id, step)
         return run_id
@@ -112,8 +119,9 @@ class RunRecorder:
 
     # ---- during the job -------------------------------------------------------------------------
     def record_checkpoint(self, saved: Path | None, step: int) -> None:
-        """Add a written checkpoint to the run's ``checkpoints.json`` artifact (rank 0; a local write, the
-        upload is in the background). ``saved`` None: nothing was written."""
+        """Add a written checkpoint to the run's ``checkpoints.json`` artifact and make it a logged model of
+        the run with the validation metrics of its step (rank 0; local writes, the sending is in the
+        background). ``saved`` None: nothing was written."""
         if saved is not None and self.engine.is_main and self.enabled:
             self.tracker.log_checkpoint(saved, step)
 
@@ -162,18 +170,9 @@ class RunRecorder:
         self.tracker.end(status)
 
 
-def _git_commit(where: Path) -> str | None:
-    import subprocess
-
-    try:
-        r = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
-
-
 def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
-    """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions)."""
+    """The run's tags: what a comparison filters on (variant, engine, scale, corpus, code versions), and
+    MLflow's own source, git and user tags (:func:`scaletrain.tracking.provenance.source_tags`)."""
     import importlib.metadata as md
 
     import torch
@@ -201,9 +200,10 @@ def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
     tags["corpus"] = src.get("name") or src.get("package") or shards.resolve().name
     if (shards / "manifest.json").is_file():
         tags["corpus.manifest_sha256"] = sha256_bytes((shards / "manifest.json").read_bytes())
-    commit = _git_commit(Path.cwd())
+    commit = git_info().get("commit")
     if commit:
         tags["git_commit"] = commit
+    tags.update(source_tags("scaletrain train"))
     tags["version.scaletrain"] = scaletrain.__version__
     tags["version.torch"] = torch.__version__
     for pkg in ("deepspeed", "accelerate", "mlflow"):
@@ -212,3 +212,69 @@ def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
         except md.PackageNotFoundError:
             pass
     return {k: str(v) for k, v in tags.items()}
+
+
+def _manifest_bytes(cfg: Config) -> bytes:
+    """The shard manifest's bytes (its digest names the corpus dataset): the file of a local shard directory,
+    else (a URL, a command) the manifest as loaded, in canonical JSON."""
+    import json
+
+    from scaletrain.data.shards import load_manifest
+
+    path = Path(cfg.data.shards) / "manifest.json"
+    if "://" not in str(cfg.data.shards) and path.is_file():
+        return path.read_bytes()
+    return json.dumps(load_manifest(cfg.data.shards).to_dict(), sort_keys=True).encode()
+
+
+def checkpoint_models(cfg: Config, out_dir: Path, dataset: dict, param_counts: Mapping[str, int]) -> CheckpointModels:
+    """How the job's checkpoints become logged models: named after the recipe, the validation metrics
+    linked to them measured on ``dataset``, the best one by ``train.best_metric`` (else the lowest
+    ``valid/nll``), ``checkpoints/best`` holding a copy of it when that metric is set."""
+    tc = cfg.train
+    params = {"recipe": cfg.name, "arch": cfg.model.arch, "tokenizer": cfg.data.tokenizer,
+              "precision": cfg.engine.precision, **{f"params.{k}": str(v) for k, v in param_counts.items()}}
+    best = dict(best_metric=safe_key(tc.best_metric), best_mode=tc.best_mode, min_delta=float(tc.best_min_delta),
+                best_dir=Path(out_dir) / "checkpoints" / "best") if tc.best_metric else {}
+    return CheckpointModels(prefix=cfg.name, params=params,
+                            dataset={"name": dataset["name"], "digest": dataset["digest"]}, **best)
+
+
+def _devices(engine) -> str:
+    """``cpu``, or the accelerator's name (``cuda: NVIDIA H100 80GB HBM3``), as rank 0 sees it."""
+    device = getattr(engine, "device", None)
+    kind = getattr(device, "type", str(device or "cpu"))
+    if kind == "cuda":
+        import torch
+
+        try:
+            return f"cuda: {torch.cuda.get_device_name(device)}"
+        except Exception:  # noqa: BLE001 - a name is a nicety
+            return "cuda"
+    return kind
+
+
+def run_note(cfg: Config, engine, dataset: Mapping, param_counts: Mapping[str, int]) -> str:
+    """The run's description (MLflow's ``mlflow.note.content``, shown on the run's page): the recipe and the
+    model, the corpus, what ran where (engine, ranks, nodes, devices, precision) and from which code."""
+    import json
+    import socket
+
+    import scaletrain
+
+    m, e, world = cfg.model, cfg.engine, engine.world_size
+    prof = json.loads(dataset.get("profile") or "{}")
+    splits = ", ".join(f"{k} {v:,}" for k, v in (prof.get("splits") or {}).items())
+    langs = ", ".join(prof.get("languages") or [])
+    where = e.backend if e.backend != "accelerate" else f"Accelerate ({e.accelerate})"
+    if e.backend == "deepspeed" or getattr(engine, "zero_stage", 0):
+        where += f" ZeRO stage {getattr(engine, 'zero_stage', 0)}"
+    nodes = node_layout(getattr(engine, "rank", 0), world)[1]
+    commit = git_info().get("commit")
+    code = f"scaletrain {scaletrain.__version__}" + (f" at commit {commit[:12]}" if commit else "")
+    return (f"Training of the `{cfg.name}` recipe ({m.arch}, {cfg.data.tokenizer} tokenizer, "
+            f"{param_counts.get('total', 0):,} parameters) on the corpus {dataset['name']} (sentence pairs: {splits}; "
+            f"languages {langs}; digest {dataset['digest']}) from {cfg.data.shards}. Ran with {where} on {world} "
+            f"rank{'s' if world != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''} ({_devices(engine)}; rank 0 "
+            f"on host {socket.gethostname()}), precision {e.precision}, up to {cfg.train.max_steps:,} steps, "
+            f"output in {cfg.out_dir}; started by `scaletrain train`, {code}.")

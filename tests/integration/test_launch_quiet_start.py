@@ -75,7 +75,8 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
     assert any(f"scaletrain evaluate --checkpoint {q} --beam 4" in ln for ln in nxt)
     assert any(f"scaletrain compare {q}" in ln for ln in nxt)
     assert any(f"scaletrain export {q} --out {q}/model.safetensors" in ln for ln in nxt)
-    assert any(f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlruns.db" in ln for ln in nxt)
+    assert any(f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlruns.db" in ln and "# then open http://127.0.0.1:5000"
+               "/#/experiments/" in ln and "/runs/" in ln and ln.endswith("?workflowType=machine_learning") for ln in nxt)
     # the suggested translate command works as printed
     cmd = next(ln.strip() for ln in nxt if "scaletrain translate" in ln)
     t = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=300,

@@ -11,6 +11,8 @@ import pytest
 from mlflow import MlflowClient
 from tracking_server import Server, _free_port  # tests/integration/tracking_server.py
 
+from helpers import assert_toy_checkpoint_models, log_toy_checkpoints
+
 from scaletrain import tracking as T
 from scaletrain.errors import ScaletrainError
 
@@ -50,6 +52,7 @@ def test_sender_retries_and_delivers_backlog_once_when_server_returns(server, tm
         for s in range(5, 40):
             tr.log_metrics({"loss": float(s)}, step=s)
         tr.set_tags({"phase": "outage"})
+        ds = log_toy_checkpoints(tr, tmp_path / "ckpt")
         assert time.monotonic() - t0 < 2.0  # logging never waits for the network
         assert not tr.flush(timeout=3)  # the server is down: not delivered, and flush gave up in time
         assert tr.server_failing and tr.pending > 0
@@ -63,10 +66,12 @@ def test_sender_retries_and_delivers_backlog_once_when_server_returns(server, tm
     run = c.get_run(rid)
     assert run.info.status == "FINISHED" and run.data.tags["phase"] == "outage" and run.data.params == {"a": "1"}
     # the journal holds everything, and syncing it again adds nothing
-    rec = [r for r in T.read_journal(tmp_path / "tracking" / "journal.jsonl") if r["t"] == "m"]
+    rec = [r for r in T.read_journal(tmp_path / "tracking" / "journal.jsonl") if r["t"] == "m" and "loss" in r["v"]]
     assert [r["s"] for r in rec] == list(range(40))
+    assert_toy_checkpoint_models(c, rid, ds)  # the sender delivered the dataset and the models by itself
     (rep,) = T.sync_run(tmp_path)
-    assert rep.metrics_sent == 0 and rep.metrics_present == 40 and rep.status is None
+    assert rep.metrics_sent == 0 and rep.metrics_present == 40 + 2 and rep.status is None  # loss, valid/nll
+    assert (rep.datasets, rep.models, rep.model_updates) == (0, 0, 0)
     assert _history(c, rid, "loss") == [(s, float(s)) for s in range(40)]
 
 
@@ -79,7 +84,7 @@ def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_
     steps, kill_at = 24, 8
     cfg = load_config("small", [*TINY, f"data.shards={django_shards}", f"train.out_dir={out}",
                                 f"train.max_steps={steps}", f"tracking.uri={server.uri}", "tracking.experiment=outage",
-                                "tracking.end_timeout=2"])
+                                "tracking.end_timeout=2", "train.valid_every=8", "train.save_every=8", "train.keep_last=1"])
     trainer = Trainer(cfg)
     trainer.tracker.flush_every = 1  # send every step: the outage interrupts real traffic
     step_times: list[float] = []
@@ -123,6 +128,23 @@ def test_training_survives_server_kill_and_sync_uploads_the_rest(server, django_
     run = c.get_run(rid)
     assert run.info.status == "FINISHED" and run.data.metrics["train/steps"] == steps
     assert "config.yaml" in {a.path for a in c.list_artifacts(rid)}
+    # the checkpoints written during the outage (steps 8, 16, 24) are logged models now, each once, with its
+    # validation nll linked, the two keep_last deleted marked, the best one tagged
+    models = c.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{rid}'",
+                                    order_by=[{"field_name": "metrics.valid/nll", "ascending": True}])
+    nll = dict(_history(c, rid, "valid/nll"))
+    assert [s for s, _ in _history(c, rid, "valid/nll")] == [0, 8, 16, 24]  # each validation once
+    by_step = {int(m.tags["scaletrain.checkpoint.step"]): m for m in models}
+    assert sorted(by_step) == [8, 16, 24] and len(models) == 3
+    assert {s: m.tags["scaletrain.checkpoint.exists"] for s, m in by_step.items()} == {8: "false", 16: "false",
+                                                                                      24: "true"}
+    assert {s: [(x.key, x.step, x.value) for x in m.metrics] for s, m in by_step.items()} == {
+        s: [("valid/nll", s, nll[s])] for s in by_step}
+    assert [m.tags["scaletrain.best"] for m in models] == ["true"] + ["false"] * (len(models) - 1)
+    assert models[0].metrics[0].value == min(nll[s] for s in by_step)
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == [run.data.tags["corpus"]]
+    (rep,) = T.sync_run(out)  # a third sync: nothing at all
+    assert (rep.metrics_sent, rep.datasets, rep.models, rep.model_updates) == (0, 0, 0, 0)
 
 
 def test_unreachable_server_fails_fast_at_start_and_is_waited_for_at_resume(server, tmp_path):

@@ -1,5 +1,5 @@
-"""A resumed job continues the same MLflow run and step axis; the journal records both sessions, and
-syncing it afterwards adds nothing."""
+"""A resumed job continues the same MLflow run and step axis (its dataset input and checkpoints' logged
+models are not made twice); the journal records both sessions, and syncing it afterwards adds nothing."""
 from __future__ import annotations
 
 import pytest
@@ -35,5 +35,13 @@ def test_resume_continues_the_run_with_monotone_steps(django_shards, tmp_path, m
     assert by_time == sorted(by_time)  # the step axis only moves forward
     events = [r["t"] for r in T.read_journal(tmp_path / "run" / "tracking" / "journal.jsonl") if r["t"] != "m"]
     assert events[0] == "start" and "resume" in events and events[-1] == "end"
+    # the resumed session logged the dataset again and read its checkpoint list back: one input, one model
+    # per checkpoint (step 4 of the first session, step 8 of the second), each a run output once
+    assert len(run.inputs.dataset_inputs) == 1
+    models = c.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{first.run_id}'")
+    assert sorted(m.name for m in models) == ["small-step-4", "small-step-8"]
+    assert sorted(o.step for o in run.outputs.model_outputs) == [4, 8]
+    assert [m.tags["scaletrain.best"] for m in sorted(models, key=lambda m: m.metrics[0].value)] == ["true", "false"]
     (rep,) = T.sync_run(tmp_path / "run")
     assert rep.metrics_sent == 0 and rep.status is None
+    assert (rep.datasets, rep.models, rep.model_updates) == (0, 0, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,25 +17,41 @@ pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # t
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
         "model.dropout=0.0", "model.max_positions=64", "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
-        "train.valid_every=0", "train.valid_max_batches=1", "train.save_every=0", "train.max_steps=4"]
+        "train.valid_every=2", "train.valid_max_batches=1", "train.save_every=2", "train.keep_last=1",
+        "train.max_steps=4"]
 
 
-def test_training_run_has_tags_artifacts_and_system_metrics(django_shards, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def job(django_shards, tmp_path_factory):
+    """One tiny job (4 steps, validation and a checkpoint every 2, keep_last=1) into a SQLite store, started
+    inside a git repository: (result, store URI, the repository's commit)."""
     from scaletrain.config import load_config
     from scaletrain.train import train
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    repo = tmp_path / "project"  # the job starts inside a git repository: its commit is a tag
+    tmp = tmp_path_factory.mktemp("contents")
+    repo = tmp / "project"  # the job starts inside a git repository: its commit is a tag
     repo.mkdir()
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
     commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-    monkeypatch.chdir(repo)
-    uri = f"sqlite:///{tmp_path / 'store' / 'mlruns.db'}"
-    cfg = load_config("small", [*TINY, f"data.shards={django_shards}", f"train.out_dir={tmp_path / 'run'}",
-                                f"tracking.uri={uri}", "tracking.experiment=contents"])
-    res = train(cfg)
+    uri = f"sqlite:///{tmp / 'store' / 'mlruns.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.chdir(repo)
+        cfg = load_config("small", [*TINY, f"data.shards={django_shards}", f"train.out_dir={tmp / 'run'}",
+                                    f"tracking.uri={uri}", "tracking.experiment=contents"])
+        saved = dict(os.environ)
+        try:
+            res = train(cfg)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return res, uri, commit
+
+
+def test_training_run_has_tags_artifacts_and_system_metrics(job, django_shards, tmp_path):
+    res, uri, commit = job
     c = MlflowClient(uri)
     run = c.get_run(res.run_id)
     tags = run.data.tags
@@ -129,3 +146,127 @@ def test_evaluate_logs_to_the_recipes_tracking_store(tmp_path, monkeypatch):
     assert nested.data.tags["mlflow.parentRunId"] == rid and nested.info.experiment_id == run.info.experiment_id
     assert nested.info.run_name == spec.name and nested.data.metrics["test/copy_baseline/chrf"] == 40.0
     assert not (tmp_path / "mlruns.db").exists()  # nothing went to the default store of the working directory
+
+
+def _models(c, run):
+    return c.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'",
+                                  order_by=[{"field_name": "metrics.valid/nll", "ascending": True}])
+
+
+def test_run_shows_dataset_logged_models_source_and_description(job, django_shards):
+    """MLflow 3's conventions for training: the experiment's kind, the source/git/user tags and a description,
+    the corpus as the run's dataset input (split as context), each checkpoint a logged model with its step,
+    its validation metrics linked (so search_logged_models ranks them), deleted ones marked, the best tagged."""
+    import getpass
+
+    res, uri, commit = job
+    c = MlflowClient(uri)
+    run = c.get_run(res.run_id)
+    tags = run.data.tags
+    assert c.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert {k: tags.get(k) for k in ("mlflow.source.name", "mlflow.source.type", "mlflow.source.git.commit",
+                                     "mlflow.user")} == {"mlflow.source.name": "scaletrain train",
+                                                         "mlflow.source.type": "LOCAL",
+                                                         "mlflow.source.git.commit": commit,
+                                                         "mlflow.user": getpass.getuser()}
+    note = tags["mlflow.note.content"]
+    for part in ("`small` recipe", f"corpus {tags['corpus']}", "deepspeed ZeRO stage 0", "on 1 rank on 1 node (cpu;",
+                 "precision fp32", f"commit {commit[:12]}", str(django_shards)):
+        assert part in note, (part, note)
+
+    manifest = Path(django_shards) / "manifest.json"
+    splits = {k: v["n_examples"] for k, v in json.loads(manifest.read_text())["splits"].items()}
+    (inp,) = run.inputs.dataset_inputs
+    ds = inp.dataset
+    assert (ds.name, ds.digest) == (tags["corpus"], hashlib.sha256(manifest.read_bytes()).hexdigest()[:12])
+    assert ds.source_type == "local" and json.loads(ds.source)["uri"] == str(Path(django_shards).resolve())
+    assert json.loads(ds.profile)["splits"] == splits and json.loads(ds.profile)["num_rows"] == sum(splits.values())
+    assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "train")]
+
+    models = _models(c, run)  # ranked by their linked validation nll, lowest first
+    by = {m.tags["scaletrain.checkpoint"]: m for m in models}
+    assert sorted(by) == ["step-0000002", "step-0000004"] and len(models) == 2
+    ckpts = Path(res.out_dir) / "checkpoints"
+    assert by["step-0000004"].tags["scaletrain.checkpoint.path"] == str((ckpts / "step-0000004").resolve())
+    assert by["step-0000004"].tags["scaletrain.checkpoint.exists"] == "true"
+    assert by["step-0000002"].tags["scaletrain.checkpoint.exists"] == "false"  # keep_last=1 deleted it
+    assert {m.name for m in models} == {"small-step-2", "small-step-4"} and all(m.status == "READY" for m in models)
+    assert {m.tags["mlflow.model.isExternal"] for m in models} == {"true"}  # the weights stay in the run directory
+    assert {(o.model_id, o.step) for o in run.outputs.model_outputs} == {(by["step-0000002"].model_id, 2),
+                                                                        (by["step-0000004"].model_id, 4)}
+    points = c.get_metric_history(res.run_id, "valid/nll")
+    assert sorted(m.step for m in points) == [0, 2, 4]  # linking a metric to a model does not log it twice
+    history = {m.step: m.value for m in points}
+    for key, m in by.items():
+        step = int(key.split("-")[1])
+        assert [(x.key, x.step, x.value, x.dataset_name, x.dataset_digest) for x in m.metrics] == [
+            ("valid/nll", step, history[step], ds.name, ds.digest)]
+    assert models[0].metrics[0].value == min(history[2], history[4])
+    assert [m.tags.get("scaletrain.best") for m in models] == ["true", "false" if "scaletrain.best" in models[1].tags
+                                                              else None]
+
+
+def test_evaluation_run_reads_the_test_split_and_scores_the_checkpoints_model(job, django_shards):
+    """An evaluation of the job's last checkpoint: a nested run whose input is the corpus dataset with the
+    test split as context and the checkpoint's logged model, scores linked to that model, source tags and a
+    description."""
+    from scaletrain.eval.evaluate import log_to_mlflow
+    from scaletrain.tracking.records import EvalSpec
+
+    res, uri, _ = job
+    ckpt = Path(res.out_dir) / "checkpoints" / "step-0000004"
+    score = SimpleNamespace(name="all", bleu=3.5, chrf=20.0)
+    spec = EvalSpec("test", 10, 0, True, 1, 1.0, 1.2, 10, True, True, 4, str(ckpt), "", str(django_shards), "")
+    result = {"run_id": res.run_id, "split": "test", "step": 4, "tracking": {"uri": uri}, "evaluation": spec.to_json(),
+              "report": SimpleNamespace(averages=[score], directions=[]),
+              "baseline": SimpleNamespace(averages=[score], directions=[])}
+    logged = log_to_mlflow(result)
+    c = MlflowClient(uri)
+    nested, parent = c.get_run(logged.run_id), c.get_run(res.run_id)
+    tags = nested.data.tags
+    assert tags["mlflow.parentRunId"] == res.run_id and tags["mlflow.source.name"] == "scaletrain evaluate"
+    assert f"Evaluation `{spec.name}` of checkpoint {ckpt} (step 4)" in tags["mlflow.note.content"]
+    (inp,) = nested.inputs.dataset_inputs
+    (train_input,) = parent.inputs.dataset_inputs
+    assert (inp.dataset.name, inp.dataset.digest) == (train_input.dataset.name, train_input.dataset.digest)
+    assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "test")]
+    model = next(m for m in _models(c, parent) if m.tags["scaletrain.checkpoint"] == "step-0000004")
+    assert [m.model_id for m in nested.inputs.model_inputs] == [model.model_id]
+    linked = {x.key: (x.value, x.run_id, x.dataset_name) for x in c.get_logged_model(model.model_id).metrics}
+    assert linked["test/bleu/all"] == (3.5, logged.run_id, inp.dataset.name)
+    assert "valid/nll" in linked
+    assert parent.data.metrics["test/bleu/all"] == 3.5  # the full evaluation's headline on the training run
+
+
+def test_export_register_adds_a_model_registry_version(job, tmp_path, capsys):
+    """``export --register NAME``: the export's files as a logged model of the training run, a new version
+    of NAME each time; a tracking server that is down is one line, the export stays."""
+    from helpers import free_port
+
+    from scaletrain.cli import main
+    from scaletrain.errors import ScaletrainError
+    from scaletrain.tracking.models import register_export
+
+    res, uri, _ = job
+    out = tmp_path / "model.safetensors"
+    for version in (1, 2):
+        assert main(["export", res.out_dir, "--out", str(out), "--register", "nmt-tiny"]) == 0
+        assert f"as version {version} of model 'nmt-tiny' (models:/nmt-tiny/{version})" in capsys.readouterr().out
+    c = MlflowClient(uri)
+    mv = c.get_model_version("nmt-tiny", "2")
+    assert mv.run_id == res.run_id and mv.source.startswith("models:/m-")  # the logged model is its source
+    model = c.get_logged_model(mv.source[len("models:/"):])
+    assert model.source_run_id == res.run_id and model.model_type == "scaletrain-export"
+    assert model.tags["scaletrain.checkpoint.step"] == "4" and model.tags["scaletrain.export.format"] == "safetensors"
+    assert {f.path for f in c.list_logged_model_artifacts(model.model_id)} == {"MLmodel", "model.safetensors"}
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/nmt-tiny/{mv.version}", dst_path=str(tmp_path / "dl")))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert (local / "model.safetensors").read_bytes() == out.read_bytes()  # what one deploys, from the registry
+    with pytest.raises(ScaletrainError, match=r"unreachable .*the export is written at"):
+        register_export(f"http://127.0.0.1:{free_port()}", "x", out, run_id=res.run_id, experiment="e", step=4,
+                        fmt="safetensors", checkpoint=res.final_checkpoint, model_prefix="small")

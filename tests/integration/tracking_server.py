@@ -20,22 +20,29 @@ def _free_port() -> int:
 
 
 class Server:
-    """``mlflow server`` on 127.0.0.1 with a SQLite backend in ``root``; stop() kills it, start() brings it
-    back on the same port and store."""
+    """``mlflow server`` on 127.0.0.1 with a SQLite backend in ``root`` (or the store ``backend``, e.g. the
+    ``mlruns.db`` a job wrote: what ``mlflow ui`` shows a user); stop() kills it, start() brings it back on
+    the same port and store. start() is launch() then wait(): a test can do other work while it boots."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, backend: str | None = None):
         self.root, self.port = root, _free_port()
+        self.backend = backend or f"sqlite:///{self.root / 'mlflow.db'}"
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc = None
 
     def start(self, timeout: float = 120.0) -> None:
+        self.launch()
+        self.wait(timeout)
+
+    def launch(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(
             [MLFLOW, "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
+             "--backend-store-uri", self.backend, "--artifacts-destination", str(self.root / "artifacts")],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True)
+
+    def wait(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
