@@ -8,7 +8,7 @@ The config, the shard manifest and the output directory are checked first
 (:func:`scaletrain.engine.preflight.check_inputs`), before DeepSpeed, Accelerate or MLflow is imported: a
 wrong path fails in a second or two. The work is :func:`scaletrain.train.train`; rank 0 prints a one-line
 summary at the end, after every rank has finished its process groups and threads
-(:func:`scaletrain.engine.shutdown.finish_distributed`: a job that finished exits 0, not as a crash). SIGTERM,
+(:func:`scaletrain.engine.shutdown.finishing_distributed`: a job that finished exits 0, not as a crash). SIGTERM,
 SIGUSR1 or SIGINT: a checkpoint at the next step boundary, the MLflow run ends KILLED, exit code 75;
 re-running the same command resumes.
 """
@@ -47,15 +47,11 @@ def run(args) -> int:
     from scaletrain.engine.preflight import check_inputs
 
     check_inputs(cfg)  # before the engines' libraries load: a wrong path fails in a second or two
-    from scaletrain.engine.shutdown import finish_distributed
+    from scaletrain.engine.shutdown import finishing_distributed
     from scaletrain.train import train
 
-    try:
+    with finishing_distributed():  # process groups and our threads end before the interpreter does
         res = train(cfg)
-    except BaseException:
-        finish_distributed(clean=False)  # the process groups and our threads end before the interpreter does
-        raise
-    finish_distributed(clean=True)  # after a barrier: no rank leaves while a peer still talks to it
     if res.preempted:
         from scaletrain.train.preemption import PREEMPTED_EXIT
 

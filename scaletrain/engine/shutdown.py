@@ -10,27 +10,32 @@ trained, saved and printed its summary dies with ``terminate called without an a
 ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> ``TensorImpl::decref_pyobject`` ->
 ``take_gil`` -> ``PyThread_exit_thread`` -> ``std::terminate``. A group's threads are joined only when
 the group is destructed, i.e. when nothing references it any more; ``destroy_process_group`` drops
-torch's own references, but DeepSpeed's communication backend and group caches, and the engines' objects
-(the DDP wrapper, the DeepSpeed engine, the host group) keep theirs.
+torch's own references, but DeepSpeed's communication backend and group caches and the engines' objects
+(the DDP wrapper, the DeepSpeed engine, the host group) keep theirs, and ``torch.distributed.nn``, which
+DDP imports after the group is up, holds it as the default argument of ten functions.
 
-:func:`finish_distributed` is the one shutdown path (``scaletrain train`` calls it when training returns
-and when it raises, on both engines and under every launcher):
+:func:`finish_distributed` is the one shutdown path (``scaletrain train`` runs training inside
+:func:`finishing_distributed`, which calls it when training returns and when it raises, on both engines and
+under every launcher):
 
 1. our own threads (``scaletrain-*``: the MLflow senders, the system-metrics sampler, the launcher watch;
-   by then told to stop) are joined, each within a bound;
-2. on a clean end, a barrier: no rank tears down a group a peer still has a collective in flight on
-   (after a failure a peer may never arrive, so there is none);
+   by then told to stop) are joined;
+2. a barrier: no rank tears down a group a peer still has a collective in flight on;
 3. every process group is destroyed (torch shuts them down newest first, the default group last), DeepSpeed's
    cached backend and groups are dropped, functions that captured a group as a default argument forget
-   it, the failed exception's frames are cleared, and a garbage collection frees the cycles that still
-   hold a group, so the groups' destructors join their worker threads now, with the GIL free for them.
+   it, and a garbage collection frees the cycles that still hold a group, so the groups' destructors join
+   their worker threads now, with the GIL free for them.
 
-Steps 1 and 3 run within ``timeout`` seconds: a group whose worker is blocked on a hung peer cannot be
-joined (gloo has no way to interrupt it before ``engine.collective_timeout_minutes``), and the process
-then exits without waiting for it, with one warning line, instead of hanging.
+After a failure (the block raised) steps 1 and 2 are skipped (our threads may be stuck on what failed, a
+peer may never reach a barrier) and the exception's frames are cleared first, so the objects they hold
+(the trainer, its engine) can be freed. Step 3 runs within a bound (``timeout``; ``FAILED_WAIT`` after a
+failure): a group whose worker is blocked on a hung peer cannot be joined (gloo cannot interrupt it before
+``engine.collective_timeout_minutes``), and the process then exits without waiting for it, with one
+warning line, instead of hanging.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
@@ -42,6 +47,7 @@ import types
 log = logging.getLogger("scaletrain")
 
 OUR_THREADS = "scaletrain-"  # the name prefix of every thread scaletrain starts
+FAILED_WAIT = 10.0  # seconds a failed rank gives its groups to shut down before it exits anyway
 
 
 def release_process_groups() -> None:
@@ -74,18 +80,18 @@ def _forget_default_arguments() -> None:
     from torch._C._distributed_c10d import ProcessGroup
 
     def fix(fn) -> None:
-        if isinstance(fn, (staticmethod, classmethod)):
+        if type(fn) in (staticmethod, classmethod):
             fn = fn.__func__
-        if not isinstance(fn, types.FunctionType):
+        if type(fn) is not types.FunctionType:  # type(), not isinstance(): no deprecated object's warning
             return
-        if fn.__defaults__ and any(isinstance(d, ProcessGroup) for d in fn.__defaults__):
-            fn.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d for d in fn.__defaults__)
+        if fn.__defaults__ and any(issubclass(type(d), ProcessGroup) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if issubclass(type(d), ProcessGroup) else d for d in fn.__defaults__)
         if fn.__kwdefaults__:
-            fn.__kwdefaults__.update({k: None for k, v in fn.__kwdefaults__.items() if isinstance(v, ProcessGroup)})
+            fn.__kwdefaults__.update({k: None for k, v in fn.__kwdefaults__.items() if issubclass(type(v), ProcessGroup)})
 
     for module in list(sys.modules.values()):
         for value in list(getattr(module, "__dict__", {}).values()):
-            if isinstance(value, type):
+            if issubclass(type(value), type):
                 for attr in list(vars(value).values()):
                     fix(attr)
             else:
@@ -117,10 +123,12 @@ def _clear_frames(exc: BaseException | None) -> None:
 
 def finish_distributed(clean: bool, timeout: float = 30.0) -> None:
     """The last thing a training process does with torch.distributed (see the module docstring).
-    ``clean``: every rank got here the same way (training returned, or was preempted), so a barrier is
-    safe; False after an exception (the one being handled, if any, has its frames cleared)."""
-    deadline = time.monotonic() + timeout
-    late = _join_our_threads(deadline)
+    ``clean``: every rank got here the same way (training returned, or was preempted): our threads are
+    joined and a barrier is safe. False after an exception: neither (our threads may be stuck on what
+    failed, a peer may never arrive); the exception being handled, if any, has its frames cleared, and the
+    groups get at most ``FAILED_WAIT`` seconds."""
+    deadline = time.monotonic() + (timeout if clean else min(timeout, FAILED_WAIT))
+    late = _join_our_threads(deadline) if clean else []
     if late:
         log.warning("exit: thread(s) %s still running after %.0f s; exiting without them", ", ".join(late), timeout)
     dist = sys.modules.get("torch.distributed")  # never imported: nothing distributed to finish
@@ -134,5 +142,17 @@ def finish_distributed(clean: bool, timeout: float = 30.0) -> None:
     worker.start()
     worker.join(max(1.0, deadline - time.monotonic()))
     if worker.is_alive():
-        log.warning("exit: the process groups did not shut down within %.0f s (a peer is still in a collective); "
-                    "exiting without waiting for them", timeout)
+        log.warning("exit: the process groups did not shut down in time (a peer is still in a collective); "
+                    "exiting without waiting for them")
+
+
+@contextlib.contextmanager
+def finishing_distributed(timeout: float = 30.0):
+    """``with finishing_distributed(): <train>``: :func:`finish_distributed` after the block, clean when it
+    returned, not clean when it raised (the exception then goes on)."""
+    try:
+        yield
+    except BaseException:
+        finish_distributed(clean=False, timeout=timeout)
+        raise
+    finish_distributed(clean=True, timeout=timeout)
