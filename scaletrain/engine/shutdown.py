@@ -47,7 +47,7 @@ import types
 log = logging.getLogger("scaletrain")
 
 OUR_THREADS = "scaletrain-"  # the name prefix of every thread scaletrain starts
-FAILED_WAIT = 10.0  # seconds a failed rank gives its groups to shut down before it exits anyway
+FAILED_WAIT = 3.0  # seconds a failed rank gives its groups to shut down before it exits anyway
 
 
 def release_process_groups() -> None:
