@@ -86,8 +86,8 @@ def _forget_default_arguments() -> None:
             return
         if fn.__defaults__ and any(issubclass(type(d), ProcessGroup) for d in fn.__defaults__):
             fn.__defaults__ = tuple(None if issubclass(type(d), ProcessGroup) else d for d in fn.__defaults__)
-        if fn.__kwdefaults__:
-            fn.__kwdefaults__.update({k: None for k, v in fn.__kwdefaults__.items() if issubclass(type(v), ProcessGroup)})
+        kw = fn.__kwdefaults__ or {}
+        kw.update({k: None for k, v in kw.items() if issubclass(type(v), ProcessGroup)})
 
     for module in list(sys.modules.values()):
         for value in list(getattr(module, "__dict__", {}).values()):
