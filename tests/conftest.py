@@ -1,14 +1,47 @@
 """Fixtures shared by tests/unit and tests/integration; shared functions and constants are in helpers.py."""
-import gc
 import os
 from pathlib import Path
 
 import pytest
 
-from helpers import TEST_LANGS
+from helpers import ROOT, TEST_LANGS
 
 # engine.precision=auto (the default) resolves to fp32 in tests, on every kind of CPU; subprocesses inherit it.
 os.environ["SCALETRAIN_AUTO_PRECISION"] = "fp32"
+
+# What a user's checkout holds after `./launch.sh` (the bundled corpus, runs, the MLflow store) and other
+# generated files (.gitignore): the suite must neither depend on them nor change them.
+USER_STATE = ("shards", "runs", "mlruns", "mlruns.db", "mlartifacts", "results", "wheels", "gpu_step_out")
+CACHES = {".pytest_cache", "__pycache__", ".hypothesis"}
+
+
+def _checkout_state() -> dict:
+    """The repository's top-level names and every file under USER_STATE with its size and mtime."""
+    state = {"top level": sorted(p.name for p in ROOT.iterdir() if p.name not in CACHES)}
+    for name in USER_STATE:
+        top = ROOT / name
+        files = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
+        for f in files:
+            try:
+                st = f.lstat()
+            except OSError:
+                continue
+            state[str(f.relative_to(ROOT))] = (st.st_size, st.st_mtime_ns)
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_untouched(tmp_path_factory):
+    """Every test works in temporary directories: the checkout the suite runs in (after `./launch.sh`, a
+    clone of a clone, a second run) is the same at the end as at the start, and no test logs to the
+    MLflow store of the user's environment (MLFLOW_TRACKING_URI: a store of this session instead; tests of
+    the default store remove it)."""
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlruns.db'}"
+    before = _checkout_state()
+    yield
+    after = _checkout_state()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the suite changed the checkout it runs in ({ROOT}): {changed[:20]}"
 
 
 @pytest.fixture(scope="session")
@@ -26,23 +59,12 @@ def in_process_training():
     caches it); remove it, and DeepSpeed's cached backend, when the module is done so later tests start
     without a process group. Use as ``pytestmark = pytest.mark.usefixtures("in_process_training")``."""
     yield
-    import torch.distributed as dist
+    from scaletrain.engine.shutdown import release_process_groups
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    import deepspeed.comm.comm as ds_comm
-    from deepspeed.utils import groups
-
-    ds_comm.cdb = None
-    for name, value in list(vars(groups).items()):  # DeepSpeed's cached groups belong to the old world
-        if name.startswith("_") and (name.endswith("_GROUP") or name.endswith("_GROUP_RANKS")):
-            if isinstance(value, dict):
-                value.clear()
-            else:
-                setattr(groups, name, None)
-    # Free the dropped process groups now, in this process: left to a later garbage collection, a
-    # gloo group's destructor can run in a forked child (whose gloo threads do not exist) and hang it.
-    gc.collect()
+    # DeepSpeed's cached backend and groups belong to the old world. The dropped groups are freed now, in
+    # this process: left to a later garbage collection, a gloo group's destructor can run in a forked child
+    # (whose gloo threads do not exist) and hang it.
+    release_process_groups()
 
 
 @pytest.fixture

@@ -74,6 +74,60 @@ def deepspeed_cmd(nproc: int, script: str, *args: str, extra: tuple = ()) -> lis
     return [str(exe), "--num_gpus", str(nproc), "--master_port", str(free_port()), *extra, "--no_local_rank", script, *args]
 
 
+# What a process must have finished before its interpreter exits: torch.distributed's C++ threads (gloo's
+# workers and transport loop, the TCPStore server, NCCL's watchdog) and ours.
+TORCH_COMM_THREADS = ("gloo", "tcpstore", "nccl")
+EXIT_PROBE = """
+import atexit, json, os, sys, threading
+
+
+def _scaletrain_exit_probe():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    dist = sys.modules.get("torch.distributed")
+    report = {"rank": os.environ.get("RANK"), "argv": sys.argv, "os_threads": sorted(names),
+              "process_group": bool(dist is not None and dist.is_available() and dist.is_initialized()),
+              "our_threads": [t.name for t in threading.enumerate() if t.name.startswith("scaletrain-")]}
+    with open(os.path.join(os.environ["SCALETRAIN_EXIT_PROBE"], f"exit-{os.getpid()}.json"), "w") as f:
+        json.dump(report, f)
+
+
+atexit.register(_scaletrain_exit_probe)  # registered first: runs after every other exit handler
+"""
+
+
+def exit_probe(tmp_path: Path, env: dict) -> Path:
+    """Make every Python process started with ``env`` record, at interpreter exit (after every other exit
+    handler), what is still alive: its OS threads' names, whether torch.distributed still has a process
+    group, and scaletrain's own threads; one ``exit-PID.json`` per process in the returned directory (a
+    ``sitecustomize`` module put first on PYTHONPATH)."""
+    probe, reports = tmp_path / "exit_probe", tmp_path / "exit_reports"
+    probe.mkdir()
+    reports.mkdir()
+    (probe / "sitecustomize.py").write_text(EXIT_PROBE)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe), env.get("PYTHONPATH")) if p)
+    env["SCALETRAIN_EXIT_PROBE"] = str(reports)
+    return reports
+
+
+def assert_ranks_exited_cleanly(reports: Path, world: int) -> None:
+    """Every training rank (a process with RANK set that ran ``train``) ended with no process group, no
+    torch.distributed thread and none of ours still alive."""
+    import json
+
+    ranks = [json.loads(f.read_text()) for f in sorted(reports.glob("exit-*.json"))]
+    ranks = [r for r in ranks if r["rank"] is not None and "train" in r["argv"]]
+    assert sorted(int(r["rank"]) for r in ranks) == list(range(world)), ranks
+    for r in ranks:
+        comm = [n for n in r["os_threads"] if any(k in n for k in TORCH_COMM_THREADS)]
+        assert not r["process_group"] and not comm and not r["our_threads"], r
+
+
 def run(cmd, env, timeout=600, cwd=None) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, env=env, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
@@ -221,14 +275,29 @@ def wait_for_log(p: subprocess.Popen, log: Path, text: str, timeout: float = 240
         time.sleep(0.1)
 
 
-def run_launch_sh(args, cwd, env=None, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``bash launch.sh ARGS`` with stdout and stderr in one byte stream (as a log file gets them); on a
-    timeout the script's whole session (launcher and ranks) is killed before the error is raised."""
+def launch_checkout(tmp_path: Path) -> Path:
+    """A directory ``launch.sh`` runs in as in a checkout of its own (it works from the directory it is in):
+    ``launch.sh``, ``scripts/``, ``ds_configs/``, ``pyproject.toml`` and ``.venv`` linked from this
+    repository, and nothing else. What the script finds there (the bundled corpus in ``shards/``, runs in
+    ``runs/``, the MLflow store ``mlruns.db``) and what it makes is the test's, whatever the repository's own
+    checkout holds (a user's runs, a built corpus) and untouched by it."""
+    d = tmp_path / "checkout"
+    d.mkdir()
+    for name in ("launch.sh", "scripts", "ds_configs", "pyproject.toml", ".venv"):
+        if (ROOT / name).exists():
+            (d / name).symlink_to(ROOT / name)
+    return d
+
+
+def run_launch_sh(args, checkout: Path, env=None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``bash CHECKOUT/launch.sh ARGS`` (``checkout``: :func:`launch_checkout`) with stdout and stderr in one
+    byte stream (as a log file gets them); on a timeout the script's whole session (launcher and ranks) is
+    killed before the error is raised."""
     import signal
     import time
 
-    p = subprocess.Popen(["bash", str(ROOT / "launch.sh"), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(["bash", str(checkout / "launch.sh"), *args], cwd=checkout, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -7,7 +7,8 @@
 The config, the shard manifest and the output directory are checked first
 (:func:`scaletrain.engine.preflight.check_inputs`), before DeepSpeed, Accelerate or MLflow is imported: a
 wrong path fails in a second or two. The work is :func:`scaletrain.train.train`; rank 0 prints a one-line
-summary at the end. SIGTERM,
+summary at the end, after every rank has finished its process groups and threads
+(:func:`scaletrain.engine.shutdown.finishing_distributed`: a job that finished exits 0, not as a crash). SIGTERM,
 SIGUSR1 or SIGINT: a checkpoint at the next step boundary, the MLflow run ends KILLED, exit code 75;
 re-running the same command resumes. Out of memory anywhere: one line, the run FAILED, exit code 71
 (:mod:`scaletrain.oom`).
@@ -48,9 +49,11 @@ def run(args) -> int:
     from scaletrain.engine.preflight import check_inputs
 
     check_inputs(cfg)  # before the engines' libraries load: a wrong path fails in a second or two
+    from scaletrain.engine.shutdown import finishing_distributed
     from scaletrain.train import train
 
-    res = train(cfg)
+    with finishing_distributed():  # process groups and our threads end before the interpreter does
+        res = train(cfg)
     if res.preempted:
         from scaletrain.train.preemption import PREEMPTED_EXIT
 

@@ -29,4 +29,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from scaletrain.engine.shutdown import finishing_distributed
+
+    with finishing_distributed():  # as `scaletrain train` ends: groups and threads finished first
+        main()

@@ -89,4 +89,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from scaletrain.engine.shutdown import finishing_distributed
+
+    with finishing_distributed():  # as `scaletrain train` ends: groups and threads finished first
+        main(sys.argv[1:])

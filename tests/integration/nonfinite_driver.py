@@ -34,4 +34,7 @@ TranslationUnit.loss = loss
 trainer_mod.Trainer.fit = fit
 
 if __name__ == "__main__":
-    dist_driver.main()
+    from scaletrain.engine.shutdown import finishing_distributed
+
+    with finishing_distributed():  # as `scaletrain train` ends: groups and threads finished first
+        dist_driver.main()

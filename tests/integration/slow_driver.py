@@ -30,4 +30,7 @@ if __name__ == "__main__":
     out = _strip_launcher_args(sys.argv[1:])[0]
     with open(os.path.join(out, f"pid_rank{os.environ.get('RANK', '0')}"), "w") as f:
         f.write(str(os.getpid()))
-    dist_driver.main()
+    from scaletrain.engine.shutdown import finishing_distributed
+
+    with finishing_distributed():  # as `scaletrain train` ends: groups and threads finished first
+        dist_driver.main()

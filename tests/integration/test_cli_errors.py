@@ -98,41 +98,53 @@ def test_unwritable_out_dir_fails_before_the_engines_libraries_load(tmp_path, dj
 def test_launch_sh_builds_only_the_bundled_corpus(tmp_path):
     """A typo in data.shards: one line naming the key and the path and how to build shards, exit 2, no shard
     directory made, no run directory, no launcher started."""
-    import uuid
+    from helpers import launch_checkout, run_launch_sh
 
-    from helpers import ROOT, run_launch_sh
-
-    typo = f"shards/djangoo-{uuid.uuid4().hex[:8]}"
+    checkout = launch_checkout(tmp_path)
+    typo = "shards/djangoo"
     out = tmp_path / "run"
-    p = run_launch_sh(["--out", str(out), f"data.shards={typo}"], cwd=tmp_path, timeout=300)
+    p = run_launch_sh(["--out", str(out), f"data.shards={typo}"], checkout, timeout=300)
     text = p.stdout.decode()
     assert p.returncode == 2, text
     lines = text.strip().splitlines()  # nothing was started ("== preparing", "== training"): one line
     assert len(lines) == 1 and "config key 'data.shards'" in lines[0] and typo in lines[0], lines
     assert "scaletrain prepare --out" in lines[0]
-    assert not (ROOT / typo).exists() and not out.exists()
+    assert not (checkout / "shards").exists() and not out.exists() and not (checkout / "mlruns.db").exists()
 
 
-def test_launch_sh_default_job_is_sized_for_the_machine(tmp_path):
-    """No --recipe: the small model on the bundled corpus without a GPU; on a machine whose nvidia-smi lists a
-    GPU, one rank per GPU with the catalogs_gpu recipe, whose corpus (shards/catalogs, from every gettext
-    catalog of the machine) launch.sh builds when missing. --dry-run checks everything and starts nothing."""
+def _dry_run(checkout, env, *args) -> str:
     from helpers import run_launch_sh
 
+    p = run_launch_sh(["--dry-run", *args], checkout, env=env, timeout=300)
+    text = p.stdout.decode()
+    assert p.returncode == 0, text
+    return text
+
+
+def test_launch_sh_default_job_is_sized_for_the_machine(tmp_path, django_shards):
+    """No --recipe: the small model on the bundled corpus without a GPU; on a machine whose nvidia-smi lists a
+    GPU, one rank per GPU with the catalogs_gpu recipe, whose corpus (shards/catalogs, from every gettext
+    catalog of the machine) launch.sh builds when missing. --dry-run checks everything and starts nothing:
+    no corpus, run directory or MLflow store appears in the checkout. A corpus already built is not built
+    again (a checkout after its first ./launch.sh)."""
+    from helpers import launch_checkout
+
+    checkout = launch_checkout(tmp_path)
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
                                      "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
     (fake / "nvidia-smi").chmod(0o755)
-    env = dict(os.environ)
-    cpu = run_launch_sh(["--dry-run", "--out", str(tmp_path / "a")], cwd=tmp_path, env=env, timeout=300)
-    text = cpu.stdout.decode()
-    assert cpu.returncode == 0, text
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the checkout's own store
+    text = _dry_run(checkout, env)  # the default run directory, runs/small-<time>, is not made either
     assert "recipe small, 2 process(es) per node" in text and "shards shards/django (to build" in text
-    env["PATH"] = f"{fake}:{env['PATH']}"
-    gpu = run_launch_sh(["--dry-run", "--out", str(tmp_path / "b")], cwd=tmp_path, env=env, timeout=300)
-    text = gpu.stdout.decode()
-    assert gpu.returncode == 0, text
-    assert "recipe catalogs_gpu, 2 process(es) per node" in text and "GPUs seen 2" in text
-    assert "shards shards/catalogs (to build: scaletrain prepare --out shards/catalogs --catalogs system,packages" in text
-    assert not (tmp_path / "shards").exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    gpu = _dry_run(checkout, {**env, "PATH": f"{fake}:{env['PATH']}"}, "--out", str(tmp_path / "b"))
+    assert "recipe catalogs_gpu, 2 process(es) per node" in gpu and "GPUs seen 2" in gpu
+    assert "shards shards/catalogs (to build: scaletrain prepare --out shards/catalogs --catalogs system,packages" in gpu
+    assert sorted(p.name for p in checkout.iterdir()) == [".venv", "ds_configs", "launch.sh", "pyproject.toml",
+                                                          "scripts"]
+    assert not (tmp_path / "b").exists()
+    (checkout / "shards").mkdir()
+    (checkout / "shards" / "django").symlink_to(django_shards)  # built by an earlier ./launch.sh
+    text = _dry_run(checkout, env, "--out", str(tmp_path / "c"))
+    assert "shards shards/django, out" in text and "to build" not in text, text

@@ -223,4 +223,7 @@ def test_replay_merge_and_resume():
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from scaletrain.engine.shutdown import finishing_distributed
+
+    with finishing_distributed():  # as `scaletrain train` ends: groups and threads finished first
+        main(sys.argv[1:])

@@ -1,7 +1,8 @@
 """./launch.sh end to end on 2 CPU ranks (the `deepspeed` launcher), tiny model: nothing is compiled at start
 (a gcc/c++/ninja that fails and records its calls is first on PATH, the torch extensions cache is empty),
 the output holds our lines and none of the libraries' known noise, the progress bar does not swallow the
-evaluation header, and the closing lines name this run's path in the commands to try next."""
+evaluation header, the closing lines name this run's path in the commands to try next, and the ranks exit
+with nothing of torch.distributed left running (helpers.exit_probe)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ import stat
 import subprocess
 import sys
 
-from helpers import ROOT, free_port, run_launch_sh, tiny_model
+from helpers import (ROOT, assert_ranks_exited_cleanly, exit_probe, free_port, launch_checkout, run_launch_sh,
+                     tiny_model)
 
 NOISE = (
     "Setting accelerator to CPU",  # DeepSpeed's accelerator probe
@@ -51,9 +53,12 @@ def test_launch_sh_trains_quietly_without_compiling(tmp_path, django_shards):
                  "train.max_steps=4", "train.log_every=2", "train.valid_every=0", "train.valid_max_batches=2",
                  "train.save_every=0", "optim.warmup_steps=2", "eval.max_len_a=1.0", "eval.max_len_b=10",
                  "tracking.system_metrics=false"]
-    p = run_launch_sh(["--out", str(out), "--master_port", str(free_port()), *overrides], cwd=tmp_path, env=env)
+    reports = exit_probe(tmp_path, env)
+    p = run_launch_sh(["--out", str(out), "--master_port", str(free_port()), *overrides], launch_checkout(tmp_path),
+                      env=env)
     text = p.stdout.decode("utf-8", errors="replace")  # bytes: text mode would turn \r into \n
-    assert p.returncode == 0, text[-6000:]
+    assert p.returncode == 0 and "terminate called" not in text, text[-6000:]
+    assert_ranks_exited_cleanly(reports, world=2)  # nothing left to race the interpreter's exit (SIGABRT)
     assert not calls.exists(), calls.read_text()  # nothing compiled, not even a compatibility probe
     assert not any(ext.iterdir()), list(ext.iterdir())
     found = [n for n in NOISE if n in text]
