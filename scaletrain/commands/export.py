@@ -4,7 +4,7 @@
     scaletrain export runs/x --format hf --out hf_model/ [--eval-json eval.json]
     scaletrain export runs/x --format ct2 --out ct2_model/ [--quantization int8]
 
-``--format safetensors`` is :func:`scaletrain.checkpoint.export_checkpoint`; ``--format hf``
+``--format safetensors`` is :func:`scaletrain.export.export_checkpoint`; ``--format hf``
 (:func:`scaletrain.export.export_hf`) writes a ``MarianMTModel`` directory (weights, config,
 generation config, byte-level tokenizer, model card) for the byte Transformer recipes that map onto
 Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others with the reason;
@@ -13,7 +13,7 @@ Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others 
 """
 from __future__ import annotations
 
-DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.checkpoint.DTYPES (named here: the parser imports no torch)
+DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.export.DTYPES (named here: the parser imports no torch)
 
 
 def register(subparsers) -> None:
@@ -56,7 +56,7 @@ def run(args) -> int:
         return 0
     if args.quantization:
         raise ScaletrainError("--quantization belongs to --format ct2")
-    from scaletrain.checkpoint import export_checkpoint
+    from scaletrain.export import export_checkpoint
 
     if args.eval_json or args.overwrite:
         raise ScaletrainError("--eval-json and --overwrite belong to --format hf and ct2")

@@ -41,11 +41,6 @@ class OomPolicy:
                 "cannot rejoin the step's collectives on the others); use train.on_oom=stop and lower data.max_tokens")
         self.mode, self.max_tokens = mode, max_tokens
 
-    @classmethod
-    def for_run(cls, cfg, engine) -> "OomPolicy":
-        """``train.on_oom`` for this job's ranks; ``data.max_tokens`` (resolved) is named in its lines."""
-        return cls(cfg.train.on_oom, cfg.data.max_tokens, engine.world_size)
-
     def recover(self, engine, micro: list, failed: int) -> str:
         """After micro-batch ``failed`` of ``micro`` ran out of memory (the exception already released):
         raise under ``stop``; else free the memory, make the engine's next ``step()`` withhold the update,

@@ -81,13 +81,12 @@ class RunRecorder:
         """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
         settings) and the shard manifest."""
         cfg, eng = self.cfg, self.engine
-        ds_config = getattr(eng, "ds_config", None)
-        if isinstance(ds_config, dict):
-            self.tracker.log_dict(ds_config, "engine/ds_config.json")
+        if eng.ds_config is not None:
+            self.tracker.log_dict(eng.ds_config, "engine/ds_config.json")
         if cfg.engine.backend == "accelerate":
             self.tracker.log_dict({"accelerate": cfg.engine.accelerate, "mixed_precision": cfg.engine.precision,
                                    "gradient_accumulation_steps": cfg.engine.grad_accum,
-                                   "num_processes": eng.world_size, "zero_stage": getattr(eng, "zero_stage", 0)},
+                                   "num_processes": eng.world_size, "zero_stage": eng.zero_stage},
                                   "engine/accelerate.yaml")
         manifest = Path(cfg.data.shards) / "manifest.json"
         if manifest.is_file():
@@ -99,7 +98,7 @@ class RunRecorder:
         t, eng = self.cfg.tracking, self.engine
         if not (t.enabled and t.system_metrics):
             return
-        uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
+        uri = eng.parallel.broadcast_object(self.tracker.uri if eng.is_main else None)
         if eng.local_rank != 0 or not run_id:
             return
         node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
@@ -183,8 +182,8 @@ def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
     tags: dict[str, object] = {
         "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
         "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
-        "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
-        "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
+        "zero_stage": engine.zero_stage, "precision": e.precision, "world_size": world,
+        "nodes": node_layout(engine.rank, world)[1], "tokenizer": cfg.data.tokenizer,
     }
     if cfg.moe.enabled():
         tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k,
