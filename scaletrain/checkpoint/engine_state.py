@@ -53,10 +53,10 @@ def save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str
 def save_engine_state(engine, ckpt: Path) -> None:
     """Write ``engine``'s state into the checkpoint directory ``ckpt`` (collective: every rank calls it)."""
     ckpt = Path(ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)  # every rank writes into it (expert shards, DeepSpeed's partitions)
     if engine.native_checkpoint:
         engine.save_native(ckpt)  # DeepSpeed: module from rank 0, each rank's ZeRO optimizer partition
     elif engine.is_main:
-        ckpt.mkdir(parents=True, exist_ok=True)
         state = engine.state_dict()
         model = {k: v for k, v in state.pop("model").items() if v.numel() > 0}  # empty: other ranks' experts
         save_safetensors(model, ckpt / MODEL_FILE, {"format": "pt"})
@@ -65,7 +65,6 @@ def save_engine_state(engine, ckpt: Path) -> None:
             torch.save(state["scaler"], ckpt / SCALER_FILE)
     save_expert_shard(ckpt, engine.module, engine.optimizer, engine.parallel)
     if engine.is_main:
-        ckpt.mkdir(parents=True, exist_ok=True)
         record = {"format": 1, **engine.layout(), "schedule": engine.schedule.state_dict()}
         atomic_write_text(ckpt / ENGINE_FILE, json.dumps(record, indent=1))
 
@@ -101,7 +100,7 @@ def _read_state(engine, ckpt: Path) -> dict:
     from safetensors.torch import load_file
 
     try:
-        model = load_file(str(ckpt / MODEL_FILE), device=str(engine.device))
+        model = load_file(str(ckpt / MODEL_FILE))  # on the host; load_state_dict copies onto the device
     except Exception as e:  # safetensors holds no code; a bad header or a short file lands here
         raise ScaletrainError(f"{ckpt / MODEL_FILE}: unreadable safetensors file, truncated or corrupt ({e}); "
                               "use an earlier checkpoint") from None

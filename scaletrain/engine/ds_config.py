@@ -64,7 +64,7 @@ def load_ds_config(cfg, world_size: int) -> dict:
             )
         ds[k] = v
     ep = ParallelDims.from_config(cfg, world_size).ep
-    if ep > 1:  # expert parallelism: the driver clips with the EP-aware norm
+    if ep > 1:  # expert parallelism: the engine clips with the EP-aware norm
         ds["gradient_clipping"] = 0.0
     prec = cfg.engine.precision
     for section, want in (("bf16", prec == "bf16"), ("fp16", prec == "fp16")):
