@@ -17,6 +17,16 @@ renamed by ``manager.py``) and reads it back at resume:
 A checkpoint written before ``engine.json`` existed keeps its schedule position where the library put it
 (``scheduler.bin``, ``scheduler.pt``, DeepSpeed's ``lr_scheduler`` entry): :func:`saved_schedule` reads it.
 Every file is read weights-only (``scaletrain.safeload``).
+
+What a resume at another layout (world size, ZeRO stage, ``moe.ep_size``) builds on: ``engine.json`` says
+the layout a checkpoint was written with (:func:`saved_layout`); the model is already layout-free on disk
+(``model.safetensors`` holds whole parameters under their names, DeepSpeed's files are consolidated by
+``deepspeed_files.consolidated_weights``, expert shards by ``experts.merge_expert_shards`` and cut to any
+ep_size by ``experts.expert_checkpoint_load``); so is the optimizer where the engine keeps whole parameters
+(Accelerate DDP, DeepSpeed ZeRO-0: torch's optimizer state dict, expert moments in the shards). What is not
+yet: the optimizer state DeepSpeed partitions at ZeRO-1/2/3 (each rank's ``zero_pp_rank_*`` file holds its
+flat partition), which a resume at another layout would read through DeepSpeed's universal checkpoint
+format; a resume today checks the world size (``manager.py``) and refuses another ep_size under ZeRO-1/2.
 """
 from __future__ import annotations
 
