@@ -2,9 +2,9 @@
 
 :meth:`Trainer.fit` is a short orchestration over components (``scaletrain/train/components.py``):
 the train step and the NMT unit (``unit.py``), the step logger, the evaluator, the early stopper and the
-checkpoints (``CheckpointManager``, handed the checkpoint's contents when one is due). Every counter lives in one :class:`TrainState` (``state.py``) that
-each checkpoint saves, so a resumed job continues its counters, its validation history, its best
-checkpoint, its MLflow run and its wall-clock budget. What the job records for MLflow besides its per-step
+checkpoints (``CheckpointManager``, handed the checkpoint's contents when one is due). Every counter lives
+in one :class:`TrainState` (``state.py``) that each checkpoint saves, so a resumed job continues its
+counters, its validation history, its best checkpoint, its MLflow run and its wall-clock budget. What the job records for MLflow besides its per-step
 metrics (the run, its tags and set-up artifacts, system metrics, checkpoints, plots, the end status) is the
 :class:`~scaletrain.train.recorder.RunRecorder`'s.
 """
