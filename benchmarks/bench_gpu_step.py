@@ -134,9 +134,10 @@ def build_ours(args, variant: str, V: int):
     cfg = make_cfg(args, *over)
     eng = build_engine(cfg)
     if variant == "ds-old":  # the DeepSpeed config of before: its bf16 optimizer, its synchronising timer
-        eng.ds_config = dict(eng.ds_config, timers={"throughput": {"enabled": True, "synchronized": True}})
-        if eng.ds_config.get("torch_autocast", {}).get("enabled"):
-            eng.ds_config.update(torch_autocast={"enabled": False}, bf16={**eng.ds_config["bf16"], "enabled": True})
+        b = eng.backend  # the config DeepSpeed is given at setup
+        b.ds_config = dict(b.ds_config, timers={"throughput": {"enabled": True, "synchronized": True}})
+        if b.ds_config.get("torch_autocast", {}).get("enabled"):
+            b.ds_config.update(torch_autocast={"enabled": False}, bf16={**b.ds_config["bf16"], "enabled": True})
     torch.manual_seed(0)
     eng.setup(build_model(cfg.model, V))
     eng.train(True)

@@ -60,7 +60,7 @@ def worker(out: str, stages: list[int], precision: str) -> None:
     import torch
 
     from scaletrain.config import load_config
-    from scaletrain.engine.deepspeed_engine import DeepSpeedEngine
+    from scaletrain.engine import build_engine
     from scaletrain.models import build_model
     from scaletrain.models.loss import label_smoothed_ce
     from scaletrain.vocab import ByteVocab
@@ -69,12 +69,12 @@ def worker(out: str, stages: list[int], precision: str) -> None:
     for stage in stages:
         cfg = load_config("base", [f"engine.ds_config=zero{stage}.json", f"engine.precision={precision}",
                                    "engine.grad_accum=1", "optim.clip_norm=0", "tracking.enabled=false"])
-        eng = DeepSpeedEngine(cfg)
+        eng = build_engine(cfg)
         torch.manual_seed(0)
         model = build_model(cfg.model, ByteVocab(["de", "fr", "ru", "ar", "hi", "ja", "zh", "en"]).size)
         n_params = sum(p.numel() for p in model.parameters())
         eng.setup(model)
-        ds = eng._engine
+        ds = eng.backend.e
         base = ds.basic_optimizer
         seen = []
         inner_step = base.step
@@ -91,7 +91,7 @@ def worker(out: str, stages: list[int], precision: str) -> None:
             eng.backward(loss / n)
             eng.step()
         res[stage] = {**seen[-1], "n_params": n_params}
-        eng.barrier()
+        eng.parallel.barrier()
         base.step = inner_step
     rank = int(os.environ["RANK"])
     Path(out, f"mem_ws{os.environ['WORLD_SIZE']}_rank{rank}.json").write_text(json.dumps(res))

@@ -193,7 +193,7 @@ def t_overflow_cuda(base, shape):
     eng = build_engine(cfg)
     torch.manual_seed(0)
     eng.setup(build_model(cfg.model, VOCAB))
-    opt = eng.driver.e.optimizer
+    opt = eng.backend.e.optimizer
     scale0 = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", float("nan"))))
     src, tgt_in, tgt_out = batch_on(eng.device, shape)
     # ds_configs/fp16.json has hysteresis 2: the first overflow only uses up the hysteresis, the

@@ -102,11 +102,11 @@ def worker(a) -> None:
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             counter.by_op = {}
-        micro = [next(it) for _ in range(cfg.engine.grad_accum)]
-        eng.barrier()
+        micro = [next(it).to(eng.device) for _ in range(cfg.engine.grad_accum)]  # train_step takes them moved
+        eng.parallel.barrier()
         b0, t0 = counter.bytes, time.perf_counter()
         train_step(eng, tr.unit, micro, stop_vote=False)
-        eng.barrier()
+        eng.parallel.barrier()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
             volumes.append(counter.bytes - b0)

@@ -4,16 +4,16 @@ A pickle can name any importable callable and have the unpickler call it (``__re
 weights-only unpickler accepts only tensors, plain containers and numbers, and the globals allowlisted
 for one load. Every ``.pt`` / ``.bin`` / ``.pkl`` a checkpoint holds is read here:
 
-* our own files (``rank*.pt``: stream state and RNG states as tensors and plain types;
-  ``scheduler.pt``) with :func:`safe_torch_load`;
-* the files DeepSpeed writes (``mp_rank_00_model_states.pt``, ``zero_pp_rank_*``) and those Accelerate
-  writes (``optimizer.bin``, ``scheduler.bin``, ``random_states_*.pkl``) are read by DeepSpeed's and
-  Accelerate's own loaders, which call ``torch.load(..., weights_only=False)``; they run inside
+* our own files (``rank*.pt``: stream state and RNG states as tensors and plain types; the engine state
+  ``scaletrain.checkpoint.engine_state`` writes: ``optimizer.bin``, ``scaler.pt``; the ``scheduler.bin`` /
+  ``scheduler.pt`` of older checkpoints) with :func:`safe_torch_load`;
+* the files DeepSpeed writes (``mp_rank_00_model_states.pt``, ``zero_pp_rank_*``) are read by DeepSpeed's
+  own loaders, which call ``torch.load(..., weights_only=False)``; they run inside
   :func:`weights_only_loads`, which routes every ``torch.load`` of the process to :func:`safe_torch_load`
   for the duration. The only classes allowed beyond PyTorch's defaults are the plain-data types those
-  files were found to contain (registered by ``scaletrain.engine.deepspeed_driver``: DeepSpeed's
-  loss-scaler record, the ZeRO stage enum, a fragment address) and, for Accelerate's RNG file, the numpy array types Accelerate itself
-  allowlists.
+  files were found to contain (registered by ``scaletrain.checkpoint.deepspeed_files``: DeepSpeed's
+  loss-scaler record, the ZeRO stage enum, a fragment address) and, for the RNG file of Accelerate's
+  ``save_state`` (older checkpoints), the numpy array types Accelerate itself allowlists.
 
 A file that holds anything else is refused with one line naming the file and the global it asked
 for; a truncated or corrupt file is named too.
@@ -42,8 +42,8 @@ _providers: list = []  # callables returning classes a checkpoint file may hold 
 def register_safe_types(provider) -> None:
     """Allow the classes ``provider()`` returns in every weights-only load (called lazily, once per load).
 
-    ``scaletrain.engine.deepspeed_driver`` registers the plain-data DeepSpeed classes found in DeepSpeed's
-    checkpoint files; nothing outside ``scaletrain/engine/`` imports DeepSpeed."""
+    ``scaletrain.checkpoint.deepspeed_files`` registers the plain-data DeepSpeed classes found in DeepSpeed's
+    checkpoint files (the one module outside ``scaletrain/engine/`` that imports DeepSpeed)."""
     if provider not in _providers:
         _providers.append(provider)
 

@@ -368,3 +368,83 @@ def assert_toy_checkpoint_models(c, rid, ds):
         [("valid/nll", 20, 2.0, ds["digest"])], [("valid/nll", 10, 3.0, ds["digest"])]]
     assert sorted(o.step for o in run.outputs.model_outputs) == [10, 20]
     assert sorted((m.step, m.value) for m in c.get_metric_history(rid, "valid/nll")) == [(10, 3.0), (20, 2.0)]
+
+
+# ---- engines without a launcher --------------------------------------------------------------------
+def local_backend_class():
+    """``LocalBackend``: a :class:`scaletrain.engine.Backend` for one plain process (torch's backward and our
+    AdamW, no library, no process group), so tests run the real :class:`~scaletrain.engine.Engine` (its step,
+    schedule, checkpoints) in-process. ``skip``: the updates (1-based) to drop like an fp16 overflow
+    (``loss_scaled``: no update, no LR step); ``partitioned``: the answer of ``partitioned()`` (ZeRO-3),
+    whose gathered state dict is then the module's; ``fail_with``: an exception its state dict raises (a
+    checkpoint save failing inside the engine, as a full disk does)."""
+    import torch
+
+    from scaletrain.engine import Backend
+    from scaletrain.engine.optim import build_optimizer
+
+    class LocalBackend(Backend):
+        name = "local"
+
+        def __init__(self, skip=(), partitioned=False, fail_with=None):
+            self.skip, self._partitioned, self.updates, self.micro = set(skip), partitioned, 0, 0
+            self.loss_scaled, self.fail_with = bool(skip), fail_with
+
+        def start(self, cfg):
+            self.grad_accum = cfg.engine.grad_accum
+
+        def wrap(self, model, ep, cfg):
+            self.model = self.module = model
+            self.optimizer = build_optimizer(model, cfg)
+            return self.optimizer
+
+        def backward(self, loss):
+            (loss / self.grad_accum).backward()
+            self.micro += 1
+
+        def at_boundary(self):
+            return self.micro % self.grad_accum == 0
+
+        def skip_microsteps(self, n):
+            self.micro += n + 1  # the failed micro-batch and the n that will not run
+
+        def update(self):
+            self.updates += 1
+            skipped = self.updates in self.skip
+            if not skipped:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return skipped, None
+
+        def skip_update(self):
+            self.updates += 1
+            self.optimizer.zero_grad(set_to_none=True)
+
+        def partitioned(self):
+            return self._partitioned
+
+        def gathered_state_dict(self):
+            return {k: v.detach().float().cpu().clone() for k, v in self.module.state_dict().items()}
+
+        def state_dict(self):
+            if self.fail_with is not None:
+                raise self.fail_with
+            return {}
+
+    return LocalBackend
+
+
+def local_engine(cfg, **backend_kw):
+    """The real Engine over ``local_backend_class()`` (world of one, this process)."""
+    from scaletrain.engine import Engine
+
+    return Engine(cfg, local_backend_class()(**backend_kw))
+
+
+def engine_holding(model, **backend_kw):
+    """``local_engine`` of the ``small`` recipe set up with ``model`` (any module: checkpoint tests)."""
+    from scaletrain.config import load_config
+
+    eng = local_engine(load_config("small", ["engine.compile=false"]), **backend_kw)
+    eng.setup(model)
+    return eng

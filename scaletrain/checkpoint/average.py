@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from scaletrain.checkpoint.inference import load_model_weights, resolve_checkpoint
+from scaletrain.checkpoint.engine_state import save_safetensors
 from scaletrain.checkpoint.manager import TAG_RE, copy_vocab_files
-from scaletrain.checkpoint.single_file import save_safetensors
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text
 

@@ -4,9 +4,9 @@
 or a ``.safetensors`` file written by ``scaletrain export`` (:func:`load_exported`), and returns the
 model in eval mode with its config, vocabulary and trainer state. :func:`load_model_weights` gives the
 full fp32 state dict of a checkpoint written by any engine: Accelerate's (and ``average``'s)
-``model.safetensors``, DeepSpeed's files of any ZeRO stage (read by ``scaletrain.engine.deepspeed_driver``,
-which keeps ``deepspeed`` itself behind its functions), and under expert parallelism every EP rank's
-expert shard joined (``scaletrain.parallel.state``). Weight files are checked against the checkpoint's
+``model.safetensors``, DeepSpeed's files of any ZeRO stage (read by ``deepspeed_files.py``, which keeps
+``deepspeed`` itself behind its functions), and under expert parallelism every EP rank's expert shard
+joined (``experts.py``). Weight files are checked against the checkpoint's
 ``index.json`` first, and nothing is read with a loader that can run code.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from scaletrain.checkpoint.deepspeed_files import consolidated_weights
+from scaletrain.checkpoint.experts import merge_expert_shards
 from scaletrain.checkpoint.manager import VOCAB_FILE, latest_tag, verify_checkpoint
 from scaletrain.config import from_dict
-from scaletrain.engine.deepspeed_driver import consolidated_weights
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model
-from scaletrain.parallel.state import merge_expert_shards
 from scaletrain.vocab import ByteVocab, SubwordVocab
 
 
@@ -52,7 +52,7 @@ def load_model_weights(ckpt: Path, quiet: bool = False) -> dict[str, torch.Tenso
     """The full fp32 model state dict of a checkpoint written by any engine, without building an engine.
 
     Accelerate DDP / exported / averaged: model.safetensors. DeepSpeed (any ZeRO stage, any precision):
-    consolidated by :func:`scaletrain.engine.deepspeed_driver.consolidated_weights`; ``quiet`` drops what
+    consolidated by :func:`scaletrain.checkpoint.deepspeed_files.consolidated_weights`; ``quiet`` drops what
     DeepSpeed's ``zero_to_fp32`` prints on stdout (``export`` and ``average``). With ``moe.ep_size > 1``
     every rank's experts are joined. The weight files are checked against the checkpoint's ``index.json``
     first.
@@ -111,7 +111,7 @@ def _model_with_weights(cfg, vocab, sd: dict[str, torch.Tensor], where: Path, de
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     """``load_for_inference`` for one file written by ``scaletrain export`` (``--format safetensors``,
-    :func:`scaletrain.checkpoint.single_file.export_checkpoint`): the config, languages, step and
+    :func:`scaletrain.export.single_file.export_checkpoint`): the config, languages, step and
     (subword models) the tokenizer record ride in its metadata, the SentencePiece model lies beside it.
     Any architecture, with no training checkpoint."""
     path = Path(path)

@@ -1,10 +1,13 @@
 """Atomic, resumable checkpoints: the train-time side (:class:`CheckpointManager`) and the on-disk
-format it writes (tags, ``latest``, ``index.json`` and its verification, RNG states, the vocabulary
-files). Loading a checkpoint for evaluate/translate/export is :mod:`scaletrain.checkpoint.inference`.
+format it writes (tags, ``latest``, ``index.json`` and its verification, RNG states, the data position,
+the vocabulary files). The engine's part is :mod:`scaletrain.checkpoint.engine_state`; loading a
+checkpoint for evaluate/translate/export is :mod:`scaletrain.checkpoint.inference`.
 
 Layout of a run directory::
 
-    OUT/checkpoints/step-0000100/      engine state (DeepSpeed: model, optimizer, scheduler)
+    OUT/checkpoints/step-0000100/      engine state (engine_state.py): engine.json (layout, LR schedule),
+                                       model.safetensors + optimizer.bin, or DeepSpeed's files;
+                                       expert_shard_ep*.pt under expert parallelism
                      rank00000.pt      this rank's data-stream state and RNG states
                      trainer_state.json step, tokens/examples seen, MLflow run id
                      config.yaml       the resolved config
@@ -26,11 +29,14 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from scaletrain.checkpoint.engine_state import load_engine_state, save_engine_state
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode, sha256_file
 from scaletrain.oom import OutOfMemory, is_oom, memory_summary
@@ -129,13 +135,26 @@ def latest_tag(ckpt_root: Path) -> str | None:
     return tag
 
 
+@dataclass
+class CheckpointContents:
+    """What a checkpoint holds besides the engine's state: the trainer's counters (``trainer_state.json``,
+    rank 0), this rank's state (``rank_state``: the data position; the RNG states are added at the save), the
+    resolved config, the vocabulary's languages and (subword) its files."""
+
+    trainer_state: dict
+    rank_state: dict
+    config_yaml: str
+    langs: list[str]
+    vocab: Any = None
+
+
 class CheckpointManager:
     """Writes, prunes, verifies and restores the checkpoints of one run directory.
 
-    ``save_every``: :meth:`maybe_save` writes a checkpoint every that many steps (0 = only when forced:
-    a new best, the end of training). ``on_save_error``: ``stop`` (a failed save raises one line naming
-    the path and the free space) or ``continue`` (warn and train on without that checkpoint); either way
-    the partial directory is removed and the previous checkpoint stays intact.
+    ``save_every``: :meth:`due` says a checkpoint is due every that many steps (0 = only when forced: a new
+    best, the end of training, ``train.save_every_minutes``). ``on_save_error``: ``stop`` (a failed save
+    raises one line naming the path and the free space) or ``continue`` (warn and train on without that
+    checkpoint); either way the partial directory is removed and the previous checkpoint stays intact.
     """
 
     def __init__(self, out_dir: Path, engine, keep_last: int, save_every: int = 0, on_save_error: str = "stop"):
@@ -145,25 +164,15 @@ class CheckpointManager:
         self.save_every = save_every
         self.on_save_error = on_save_error
 
-    @classmethod
-    def for_run(cls, cfg, engine) -> "CheckpointManager":
-        """The run directory's checkpoints, with ``train.keep_last``, ``save_every`` and ``on_save_error``."""
-        tc = cfg.train
-        return cls(cfg.out_dir, engine, tc.keep_last, save_every=tc.save_every, on_save_error=tc.on_save_error)
-
-    def maybe_save(self, step: int, contents, force: bool = False) -> Path | None:
-        """Save when ``step`` is due (or ``force``); ``contents()`` gives :meth:`save`'s keyword arguments
-        (called only when saving). Returns the checkpoint directory, or None when nothing was due (or the
-        save failed under ``on_save_error=continue``)."""
-        if not (force or (self.save_every and step % self.save_every == 0)):
-            return None
-        return self.save(step, **contents())
+    def due(self, step: int) -> bool:
+        """A checkpoint is due after ``step`` (``train.save_every``)."""
+        return bool(self.save_every and step % self.save_every == 0)
 
     def _any(self, failed: bool) -> bool:
         """True on every rank if any rank failed (a collective; a world of one needs none)."""
         if self.engine.world_size == 1:
             return failed
-        return self.engine.all_reduce_sum([1.0 if failed else 0.0])[0] > 0
+        return self.engine.parallel.all_reduce_sum([1.0 if failed else 0.0])[0] > 0
 
     def remove_stale_partials(self) -> list[str]:
         """Remove ``step-N.partial`` directories left by a crash or a failed save (rank 0, at start)."""
@@ -176,12 +185,12 @@ class CheckpointManager:
             log.warning("removed %d unfinished checkpoint(s) left by an earlier run: %s", len(stale), ", ".join(stale))
         return stale
 
-    def save(self, step: int, trainer_state: dict, rank_state: dict, config_yaml: str, langs: list[str],
-             vocab=None) -> Path | None:
+    def save(self, step: int, contents: CheckpointContents) -> Path | None:
+        """Write the checkpoint of ``step`` (collective). Returns its directory, or None when the save failed
+        under ``on_save_error=continue``."""
         eng = self.engine
         tag = tag_for(step)
-        partial = tag + ".partial"
-        pdir = self.root / partial
+        pdir = self.root / (tag + ".partial")
         error = None
         if eng.is_main:
             try:
@@ -189,17 +198,17 @@ class CheckpointManager:
                 shutil.rmtree(pdir, ignore_errors=True)  # left by a crash
             except OSError as e:
                 error = e
-        eng.barrier()
+        eng.parallel.barrier()
         if error is None:
             try:  # every rank writes its part
-                eng.save(self.root, partial)
+                save_engine_state(eng, pdir)
                 pdir.mkdir(parents=True, exist_ok=True)
-                torch.save({**rank_state, "rng": rng_state()}, pdir / f"rank{eng.rank:05d}.pt")
+                torch.save({**contents.rank_state, "rng": rng_state()}, pdir / f"rank{eng.rank:05d}.pt")
                 if eng.is_main:
-                    atomic_write_text(pdir / "trainer_state.json", json.dumps(trainer_state, indent=2))
-                    atomic_write_text(pdir / "config.yaml", config_yaml)
-                    atomic_write_text(pdir / "langs.json", json.dumps(langs))
-                    save_vocab_files(vocab, pdir)
+                    atomic_write_text(pdir / "trainer_state.json", json.dumps(contents.trainer_state, indent=2))
+                    atomic_write_text(pdir / "config.yaml", contents.config_yaml)
+                    atomic_write_text(pdir / "langs.json", json.dumps(contents.langs))
+                    save_vocab_files(contents.vocab, pdir)
             except (OSError, RuntimeError, MemoryError) as e:  # out of memory (ZeRO-3 gathers, a CPU copy) too
                 if not isinstance(e, OSError) and not (_looks_like_io_error(e) or is_oom(e)):
                     raise
@@ -228,7 +237,7 @@ class CheckpointManager:
         eng = self.engine
         if eng.is_main:
             shutil.rmtree(pdir, ignore_errors=True)
-        eng.barrier()
+        eng.parallel.barrier()
         try:
             free = f"{shutil.disk_usage(self.root).free / 2**20:,.1f} MiB free"
         except OSError:
@@ -271,7 +280,7 @@ class CheckpointManager:
             except ScaletrainError as e:
                 answer = (None, str(e))
         if eng.world_size > 1:
-            answer = eng.broadcast_object(answer)
+            answer = eng.parallel.broadcast_object(answer)
         tag, err = answer
         if err:
             raise ScaletrainError(err)
@@ -321,7 +330,7 @@ class CheckpointManager:
                 f"checkpoint {d} was written by {saved_world} ranks but this run has {self.engine.world_size}; "
                 "exact resume needs the same world size (start a new out_dir, or relaunch with the old rank count)"
             )
-        self.engine.load(self.root, tag)
+        load_engine_state(self.engine, d)
         rank_file = d / f"rank{self.engine.rank:05d}.pt"
         rank_state = safe_torch_load(rank_file)
         rng = rank_state.pop("rng", None) if isinstance(rank_state, dict) else None

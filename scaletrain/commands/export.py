@@ -5,7 +5,7 @@
     scaletrain export runs/x --format ct2 --out ct2_model/ [--quantization int8]
     scaletrain export runs/x --format hf --out hf_model/ --register nmt-small   # + a Model Registry version
 
-``--format safetensors`` is :func:`scaletrain.checkpoint.export_checkpoint`; ``--format hf``
+``--format safetensors`` is :func:`scaletrain.export.export_checkpoint`; ``--format hf``
 (:func:`scaletrain.export.export_hf`) writes a ``MarianMTModel`` directory (weights, config,
 generation config, byte-level tokenizer, model card) for the byte Transformer recipes that map onto
 Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others with the reason;
@@ -15,7 +15,7 @@ Marian (post-LN, shared embeddings: ``base``, ``small``) and refuses the others 
 """
 from __future__ import annotations
 
-DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.checkpoint.DTYPES (named here: the parser imports no torch)
+DTYPES = ("bf16", "fp16", "fp32")  # scaletrain.export.DTYPES (named here: the parser imports no torch)
 
 
 def register(subparsers) -> None:
@@ -101,7 +101,7 @@ def _export(args) -> int:
         return 0
     if args.quantization:
         raise ScaletrainError("--quantization belongs to --format ct2")
-    from scaletrain.checkpoint import export_checkpoint
+    from scaletrain.export import export_checkpoint
 
     if args.eval_json or args.overwrite:
         raise ScaletrainError("--eval-json and --overwrite belong to --format hf and ct2")

@@ -1,32 +1,39 @@
-"""Engines: one interface, a DeepSpeed and an Accelerate implementation, driven by one loop.
+"""The engine: one class the loop, validation and checkpoints are written against, over one backend per library.
 
-``base.py``: the ``Engine`` interface the loop, validation and checkpoints are written against.
-An engine starts the distributed run (process group, this rank's device, ``Engine.parallel``: the one
-``ParallelContext`` of ``scaletrain.parallel``), wraps the model and chooses a driver
-(``driver.py``: the ``Driver`` protocol of the step API and ``DrivenEngine``, which forwards it):
-``deepspeed_driver.py`` (a DeepSpeed engine, and DeepSpeed's checkpoint files) or ``ddp_driver.py``
-(Accelerate's DDP). ``experts.py``: expert parallelism around the wrapping, for both engines.
+``engine.py``: :class:`Engine` (the step API, written once; its ``parallel``, the one
+``ParallelContext`` of ``scaletrain.parallel`` with the run's groups and collectives; the step logic every
+library shares) and :class:`Backend` (what a library does: start, wrap, backward, optimizer step, its own
+state). ``deepspeed_backend.py`` (a DeepSpeed engine, from DeepSpeed's launcher or Accelerate's plugin) and
+``ddp_backend.py`` (Accelerate's DDP); ``deepspeed_internals.py``: every use of DeepSpeed beyond its public
+API. ``experts.py``: expert parallelism around the wrapping; ``device_skip.py``: the non-finite check on the
+device; ``optim.py``: AdamW and the LR schedule keyed on applied updates.
 
-Layer: the only package that imports DeepSpeed (tested); with ``parallel/`` the only one that makes
-process groups or reads ``moe.ep_size`` (tested). It imports ``scaletrain.parallel``, ``errors``,
-``safeload`` and ``threads``; ``preflight.py`` (the checks before launch) also reads the config, the
-data manifest and the tracking store. Never ``train``, ``eval`` or ``models``: the model is given.
+Layer: the only package that imports DeepSpeed besides ``checkpoint/deepspeed_files.py``, which reads its
+files (tested); with ``parallel/`` the only one that makes process groups or reads ``moe.ep_size`` (tested).
+It imports ``scaletrain.parallel``, ``errors``, ``safeload`` and ``threads``; ``preflight.py`` (the checks
+before launch) also reads the config, the data manifest and the tracking store. Never ``train``, ``eval``,
+``checkpoint`` or ``models``: the model is given.
 """
 from __future__ import annotations
 
-from scaletrain.engine.base import Engine, StepInfo
+from scaletrain.engine.engine import Backend, Engine, StepInfo
 
 
 def build_engine(cfg) -> Engine:
+    """The run's engine with the backend ``engine.backend`` / ``engine.accelerate`` name (starts the run)."""
     if cfg.engine.backend == "deepspeed":
-        from scaletrain.engine.deepspeed_engine import DeepSpeedEngine
+        from scaletrain.engine.deepspeed_backend import DeepSpeedBackend
 
-        return DeepSpeedEngine(cfg)
+        return Engine(cfg, DeepSpeedBackend())
     if cfg.engine.backend == "accelerate":
-        from scaletrain.engine.accelerate_engine import AccelerateEngine
+        if cfg.engine.accelerate == "deepspeed":
+            from scaletrain.engine.deepspeed_backend import DeepSpeedBackend
 
-        return AccelerateEngine(cfg)
+            return Engine(cfg, DeepSpeedBackend(accelerate=True))
+        from scaletrain.engine.ddp_backend import DDPBackend
+
+        return Engine(cfg, DDPBackend())
     raise ValueError(cfg.engine.backend)
 
 
-__all__ = ["Engine", "StepInfo", "build_engine"]
+__all__ = ["Backend", "Engine", "StepInfo", "build_engine"]

@@ -30,6 +30,11 @@ def resolve_ds_config_path(name: str) -> Path:
     )
 
 
+def zero_stage(ds: dict) -> int:
+    """The ZeRO stage a DeepSpeed config asks for (0 without a ``zero_optimization`` section)."""
+    return (ds.get("zero_optimization") or {}).get("stage", 0)
+
+
 def load_ds_config(cfg, world_size: int) -> dict:
     path = resolve_ds_config_path(cfg.engine.ds_config)
     try:
@@ -59,7 +64,7 @@ def load_ds_config(cfg, world_size: int) -> dict:
             )
         ds[k] = v
     ep = ParallelDims.from_config(cfg, world_size).ep
-    if ep > 1:  # expert parallelism: the driver clips with the EP-aware norm
+    if ep > 1:  # expert parallelism: the engine clips with the EP-aware norm
         ds["gradient_clipping"] = 0.0
     prec = cfg.engine.precision
     for section, want in (("bf16", prec == "bf16"), ("fp16", prec == "fp16")):
@@ -76,7 +81,7 @@ def load_ds_config(cfg, world_size: int) -> dict:
         raise ScaletrainError(
             f"{path}: 'optimizer'/'scheduler' sections are owned by scaletrain (optim.* keys); remove them"
         )
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     if stage not in (0, 1, 2, 3):
         raise ScaletrainError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_expert_parallel(cfg, ep, path, stage, prec)
@@ -126,8 +131,8 @@ def _sync_free(ds: dict, path: Path, stage: int, prec: str) -> None:
     * ``timers.throughput.enabled: false``: DeepSpeed's throughput timer synchronises the device at every
       forward and step (``synchronized: true``); our step logger measures throughput itself.
     * bf16 at ZeRO-1/2: ``bf16.check_grad_overflow: false``: the engine withholds a non-finite update on the
-      device from the global norm DeepSpeed computes anyway (``deepspeed_driver``), instead of DeepSpeed's
-      per-gradient host check.
+      device from the global norm DeepSpeed computes anyway (``deepspeed_internals.ZeroNormHook``), instead of
+      DeepSpeed's per-gradient host check.
     * bf16 at ZeRO-0 runs by torch autocast (:func:`runtime_ds_config`); a ``torch_autocast`` section is
       scaletrain's then.
     """
@@ -154,14 +159,19 @@ def runtime_ds_config(ds: dict) -> dict:
     weight. With ``torch_autocast`` instead the weights stay fp32, the forward runs under
     ``torch.autocast(bfloat16)`` (matmuls in bf16, reductions in fp32), our fused AdamW updates the weights
     and the non-finite check is on the device (``device_skip``). Measured in docs/gpu_step.md.
+
+    At ZeRO-0 without fp16 the engine measures and clips the reduced gradient itself (``Engine.step``: on the
+    device, to ``optim.clip_norm``), so DeepSpeed is given ``gradient_clipping: 0`` there.
     """
-    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    stage = int(zero_stage(ds))
     out = json.loads(json.dumps(ds))
     if stage == 0 and (out.get("bf16") or {}).get("enabled") is True:
         out["bf16"]["enabled"] = False
         out["torch_autocast"] = {**(out.get("torch_autocast") or {}), "enabled": True, "dtype": "bfloat16"}
     elif out.get("torch_autocast"):
         out["torch_autocast"]["enabled"] = False
+    if stage == 0 and not (out.get("fp16") or {}).get("enabled"):
+        out["gradient_clipping"] = 0.0
     return out
 
 

@@ -1,14 +1,7 @@
-"""Process environment for the engines: launcher variables, process-group start, CPU threads, and
-what a surviving rank says when a peer died (:class:`Peers`).
-
-Nothing is compiled at start-up: DeepSpeed's communication backend (``deepspeed/comm/torch.py``,
-``TorchBackend.__init__``) JIT-builds its shared-memory all-reduce op (``ShareMemCommBuilder``) with gcc
-on a CPU accelerator whenever ``deepspeed.ops.__compatible_ops__`` says the op is compatible, and reading
-that table probes every op (more gcc runs). The op serves only ``inference_all_reduce`` (tensor-parallel
-inference), which we never call; training all-reduces go through ``torch.distributed``.
-:func:`skip_unused_deepspeed_ops` puts a table in its place that answers False for that op and probes
-any other op only when asked. The build cost 85 s on an idle 2-core CPU and 2.5-4 min on a busy one, at
-every start with an empty extensions cache (a fresh clone, a new TORCH_EXTENSIONS_DIR).
+"""Process environment for the engine: launcher variables, the collective timeout, CPU threads, the start of
+an Accelerate run (:func:`start_accelerator`), and what a surviving rank says when a peer died
+(:class:`Peers`). DeepSpeed's own start-up (``init_distributed`` without compiling its unused ops) is in
+``deepspeed_internals.py``.
 
 Crashed ranks: the process group starts with ``engine.collective_timeout_minutes`` (gloo and NCCL), so
 a rank blocked on a dead or hung peer fails within that bound instead of torch's default (30 min gloo,
@@ -23,9 +16,12 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from scaletrain.errors import ScaletrainError
 
 
 def _free_port() -> int:
@@ -56,70 +52,6 @@ def collective_timeout(cfg) -> timedelta:
     return t
 
 
-def init_deepspeed_distributed(backend: str, timeout: timedelta | None = None) -> None:
-    """``deepspeed.init_distributed``, then remove DeepSpeed's shared-memory allreduce file.
-
-    With every rank on one host, DeepSpeed's CPU backend maps a 66 MB segment per rank named
-    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` and never
-    unlinks it: each run leaves its segments in RAM (/dev/shm) until reboot (we found 243 of them,
-    16 GB, after a few days of test runs). Every rank maps every peer's segment inside
-    ``init_distributed``, so after a barrier the names can go; the mappings live on until exit.
-    """
-    import deepspeed
-
-    skip_unused_deepspeed_ops()
-    kw = {"timeout": timeout} if timeout is not None else {}
-    deepspeed.init_distributed(dist_backend=backend, verbose=False, **kw)
-    if torch.cuda.is_available() or not dist.is_initialized():
-        return
-    dist.barrier()
-    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
-        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank()
-    )
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:  # not all ranks local, or another DeepSpeed build
-        pass
-
-
-UNUSED_DEEPSPEED_OPS = ("deepspeed_shm_comm",)  # ShareMemCommBuilder.NAME: inference_all_reduce only
-
-
-class _LazyCompatibleOps(dict):
-    """``deepspeed.ops.__compatible_ops__``, probed one op at a time on first look-up (DeepSpeed probes
-    every op, compiling test programs, on first access); the ops in ``skip`` are never probed or built."""
-
-    def __init__(self, skip, known=None):
-        super().__init__(known or {})
-        self.update({name: False for name in skip})
-
-    def __missing__(self, name):
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-        from deepspeed.ops.op_builder.builder import probe_is_compatible
-
-        builder = ALL_OPS.get(name)
-        ok = bool(builder is not None and probe_is_compatible(builder))
-        self[name] = ok
-        return ok
-
-    def get(self, name, default=None):
-        try:
-            return self[name]
-        except (KeyError, ImportError):
-            return default
-
-
-def skip_unused_deepspeed_ops(skip=UNUSED_DEEPSPEED_OPS) -> None:
-    """Before DeepSpeed's communication backend starts: mark the ops we never use as incompatible, so it
-    does not JIT-build them (gcc) at start-up. Safe to call more than once."""
-    import deepspeed.ops as ops
-
-    table = vars(ops).get("__compatible_ops__")  # DeepSpeed < 0.19 computes it at import
-    if isinstance(table, _LazyCompatibleOps):
-        return
-    ops.__compatible_ops__ = _LazyCompatibleOps(skip, known=table)
-
-
 def configure_threads(cfg) -> int:
     """The rank's torch threads (:func:`scaletrain.threads.apply_threads`: ``engine.threads``, else the user's
     OMP_NUM_THREADS, else usable cores / ranks on this node; a single-node launch without LOCAL_* variables
@@ -130,6 +62,59 @@ def configure_threads(cfg) -> int:
     if "LOCAL_WORLD_SIZE" not in os.environ and "LOCAL_SIZE" not in os.environ:
         local = max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
     return apply_threads(requested=cfg.engine.threads or None, local_ranks=local)
+
+
+MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # engine.precision -> Accelerate's mixed_precision
+
+
+def check_accelerate_launch(cfg) -> None:
+    """One line where ``accelerate launch`` was given a DeepSpeed config that is not this run's."""
+    launcher_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if launcher_ds and cfg.engine.accelerate != "deepspeed":
+        raise ScaletrainError(
+            "accelerate launch was given a DeepSpeed config (distributed_type: DEEPSPEED) but "
+            "engine.accelerate is 'ddp'; set engine.accelerate=deepspeed or launch with ds_configs/accelerate_ddp.yaml"
+        )
+    launcher_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if launcher_ds and launcher_file:
+        from scaletrain.engine.ds_config import resolve_ds_config_path
+
+        ours = resolve_ds_config_path(cfg.engine.ds_config).resolve()
+        theirs = Path(launcher_file)
+        if not theirs.is_file() or theirs.resolve() != ours:
+            raise ScaletrainError(
+                f"the accelerate launch config names deepspeed_config_file {launcher_file} but engine.ds_config "
+                f"is {cfg.engine.ds_config} ({ours}); make them the same file "
+                "(launch.sh passes --deepspeed_config_file from engine.ds_config)"
+            )
+
+
+def start_accelerator(cfg, expected: int, plugin=None):
+    """Accelerate's ``Accelerator`` for this rank (``plugin``: its DeepSpeed plugin, else plain DDP). Runs
+    under ``accelerate launch``, under the ``deepspeed`` launcher, or as a single plain process. On CPU the
+    process group is gloo and the world size Accelerate reports is checked against the launcher's
+    WORLD_SIZE (``expected``): Accelerate otherwise silently runs every process alone."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    launched = "LOCAL_RANK" in os.environ or expected > 1
+    acc = Accelerator(
+        cpu=not cuda and plugin is None,
+        deepspeed_plugin=plugin,
+        mixed_precision=MIXED[cfg.engine.precision],
+        gradient_accumulation_steps=cfg.engine.grad_accum,
+        step_scheduler_with_optimizer=False,  # the LR schedule is the engine's (optim.UpdateSchedule)
+        # a plain single process must not name a backend: Accelerate would then expect a process group
+        kwargs_handlers=[InitProcessGroupKwargs(backend="nccl" if cuda else "gloo", timeout=collective_timeout(cfg))]
+        if launched else [],
+    )
+    if acc.num_processes != expected:
+        raise ScaletrainError(
+            f"Accelerate runs {acc.num_processes} process(es) but the launcher started {expected} "
+            f"(WORLD_SIZE); on CPU the process group must be gloo and the launch config use_cpu: true"
+        )
+    return acc
 
 
 class Peers:

@@ -34,14 +34,13 @@ def expert_setup(model: torch.nn.Module, ep: ExpertParallelGrads, zero_stage: in
     ZeRO-0 and DDP: the owned expert tensors (MoCE, ``moe.moce_partition``) take rank 0's shapes while
     the engine broadcasts rank 0's parameters, and get their own back after (``rank0_layout``).
 
-    ZeRO-1/2: DeepSpeed's own MoE path. DeepSpeed reduces a parameter marked ``allreduce = False`` over the expert-data-parallel group named
-    by its ``group_name`` (sum / world size, as ``scaletrain.parallel.grads``), broadcasts it from that
-    group's first rank, and ZeRO-1/2 partition an optimizer group with ``moe: True`` over that group
-    only. It switches that path on only when the model holds its ``deepspeed.moe.layer.MoE``; for the
-    duration of the call, ``deepspeed.runtime.engine.MoE`` also recognises our MoE blocks. Our EP / EDP
-    groups are registered under DeepSpeed's name for them (``ep_size_P``); the expert parameters are
-    marked (``build_optimizer`` then names their group and sets ``moe``). DeepSpeed broadcasts experts
-    within their expert-data-parallel group only, where the shapes agree, so owned experts need nothing.
+    ZeRO-1/2: DeepSpeed's own MoE path. DeepSpeed reduces a parameter marked ``allreduce = False`` over the
+    expert-data-parallel group named by its ``group_name`` (sum / world size, as ``scaletrain.parallel.grads``),
+    broadcasts it from that group's first rank, and ZeRO-1/2 partition an optimizer group with ``moe: True``
+    over that group only. It switches that path on only for its own MoE modules: how DeepSpeed is made to
+    take ours, our groups and the parameter marks is ``deepspeed_internals.moe_path`` (``build_optimizer``
+    then names the experts' group and sets ``moe``). DeepSpeed broadcasts experts within their
+    expert-data-parallel group only, where the shapes agree, so owned experts need nothing.
     """
     if not ep.active:
         yield
@@ -63,22 +62,7 @@ def _deepspeed_experts(model: torch.nn.Module, ep: ExpertParallelGrads, zero_sta
         with rank0_layout(model, ep.ctx.ep_size):
             yield
         return
-    import deepspeed.runtime.engine as ds_engine
-    from deepspeed.utils import groups
+    from scaletrain.engine.deepspeed_internals import moe_path
 
-    name = f"ep_size_{ep.ctx.ep_size}"
-    groups._EXPERT_PARALLEL_GROUP[name] = ep.ctx.ep_group
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = ep.ctx.edp_group
-    for p in ep.experts:
-        p.allreduce, p.group_name = False, name
-    original = ds_engine.MoE
-
-    class _Meta(type):
-        def __instancecheck__(cls, obj):
-            return isinstance(obj, original) or _holds_experts(obj)
-
-    ds_engine.MoE = _Meta("MoE", (), {})
-    try:
+    with moe_path(ep, _holds_experts):
         yield
-    finally:
-        ds_engine.MoE = original

@@ -50,10 +50,11 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from scaletrain.checkpoint import DTYPES, load_checkpoint_vocab, load_model_weights, resolve_checkpoint
+from scaletrain.checkpoint import load_checkpoint_vocab, load_model_weights, resolve_checkpoint
 from scaletrain.config import from_dict
 from scaletrain.data.shards import load_manifest
 from scaletrain.errors import ScaletrainError
+from scaletrain.export.single_file import DTYPES
 from scaletrain.fileio import default_mode
 from scaletrain.models.transformer import sinusoidal_table
 from scaletrain.vocab import BOS, BYTE_OFFSET, EOS, LANG_OFFSET, N_BYTES, PAD, SPECIALS, UNK

@@ -124,10 +124,13 @@ def dropout(x: torch.Tensor, p: float, training: bool, mode: str = "auto") -> to
 
 def residual_dropout(x: torch.Tensor, y: torch.Tensor, p: float, training: bool, mode: str = "auto") -> torch.Tensor:
     """``x + dropout(y)``; on CPU under mode ``auto`` one fused ``addcmul`` with the 0/1 mask
-    (the 1/(1-p) scale is applied in fp32 inside the op, so bf16 keeps it exact)."""
+    (the 1/(1-p) scale is applied in fp32 inside the op, so bf16 keeps it exact). Under autocast the
+    residual ``x`` is fp32 and the branch ``y`` bf16: the sum is fp32 as ``x + F.dropout(y)``'s, without the
+    bf16 rounding of the dropped-out branch (and without ``F.dropout``'s Bernoulli draw per element, 4.5%
+    of a base bf16 step)."""
     if not training or p == 0.0:
         return x + y
-    if mode != "auto" or y.device.type != "cpu" or p >= 1.0 or x.dtype != y.dtype:
+    if mode != "auto" or y.device.type != "cpu" or p >= 1.0 or not (x.is_floating_point() and y.is_floating_point()):
         return x + F.dropout(y, p, True)
     q = _lane_p(p)
     if q >= 1.0:

@@ -25,7 +25,7 @@ def routing_metrics(model: nn.Module, langs: list[str] | None = None, reset: boo
       delta (Fig. 4);
     - ``routing/L<L>/all/...``: the same over all languages, weighted by tokens.
 
-    ``reduce``: a sum over ranks of a list of numbers (``Engine.all_reduce_sum``). The counts of every
+    ``reduce``: a sum over ranks of a list of numbers (``ParallelContext.all_reduce_sum``). The counts of every
     rank (MoCE: selections, radius sums and routed slots per language; MoE: pairs, drops, load) are
     summed in one call before any share is formed, so the metrics describe all ranks' tokens; a
     collective then, so every rank must call this at the same point. ``model`` may be wrapped
@@ -122,7 +122,7 @@ def moe_metrics(model: nn.Module, reset: bool = True, reduce: Optional[Reduce] =
     0 when dropless) and ``moe/<layer>/max_load`` (the busiest expert's share of the kept pairs times
     the number of experts: 1 = perfectly balanced, E = everything on one expert).
 
-    ``reduce``: a sum over ranks of a list of numbers (``Engine.all_reduce_sum``), to report all
+    ``reduce``: a sum over ranks of a list of numbers (``ParallelContext.all_reduce_sum``), to report all
     ranks' counts; a collective then, so every rank must call this at the same point."""
     layers = _moe_counts(getattr(model, "module", model), reset)
     flat = [v for _, counts in layers for v in counts]

@@ -22,6 +22,12 @@ Dimensions today (W ranks):
 
 The groups are made with ``torch.distributed.new_group``, which every rank must call for every group
 in the same order: :meth:`ParallelDims.build` does that, so call it on every rank, once.
+
+The context carries the run's collectives on host values (fairseq2's gangs carry theirs):
+:meth:`ParallelContext.all_reduce_sum` (token counts, votes, failure flags), ``broadcast_object``,
+``all_gather_object``, ``barrier``. Host numbers travel on a gloo group: the default group where it is
+gloo, else a gloo side group of every rank (``host_group``, made with the other groups), so a step's
+token count and votes never wait for the GPU. A world of one needs no process group at all.
 """
 from __future__ import annotations
 
@@ -95,6 +101,9 @@ class ParallelContext:
     edp_size: int = 1
     edp_rank: int = 0
     edp_group: Any = None
+    # host values (token counts, votes): a gloo group of every rank where the default group is not gloo
+    # (NCCL); None where the default group is gloo itself (or a world of one)
+    host_group: Any = None
 
     def __deepcopy__(self, memo) -> "ParallelContext":
         return self  # process groups are handles: a copied model uses the same groups
@@ -114,6 +123,50 @@ class ParallelContext:
             raise ScaletrainError(f"moe.num_experts={num_experts} must be a multiple of moe.ep_size={self.ep_size}")
         n = num_experts // self.ep_size
         return range(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- collectives on host values (every rank calls each at the same point) -------------------
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sums over every rank of a few host numbers, in float64 (collective). Host tensors on a gloo
+        group (``host_group``), so under NCCL the training step's token counts and votes never wait for
+        the GPU."""
+        import torch
+
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.host_group)
+        return t.numpy().tolist()  # a host tensor (numpy() refuses a device one)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` on every rank (collective; pickled by torch on the host group)."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.host_group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj``, in rank order (collective)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.host_group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.host_group)
 
 
 def balanced_owners(sizes, ep_size: int) -> list[int]:
@@ -167,7 +220,10 @@ def _build_groups(dims: ParallelDims, rank: Optional[int]) -> ParallelContext:
             grp = dist.new_group(list(range(i, world_size, ep_size)))
             if i == ep_rank:
                 edp_group = grp
+    # host values ride on gloo: the default group where it is gloo, else a gloo group of every rank
+    host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     return ParallelContext(world_size=world_size, rank=rank, dp_size=world_size, dp_rank=rank, dp_group=None,
                            ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group,
-                           edp_size=world_size // ep_size, edp_rank=ep_index, edp_group=edp_group)
+                           edp_size=world_size // ep_size, edp_rank=ep_index, edp_group=edp_group,
+                           host_group=host_group)
 

@@ -13,8 +13,9 @@
 * :class:`EarlyStopper` - best checkpoint on ``train.best_metric`` and early stopping after
   ``train.patience`` evaluations without improvement.
 
-Checkpoint timing is :meth:`scaletrain.checkpoint.CheckpointManager.maybe_save`; every counter is in
-:class:`scaletrain.train.state.TrainState`.
+Each says when it is due (``due(step)``; checkpoints: :meth:`scaletrain.checkpoint.CheckpointManager.due`), so
+the trainer reads a step's device values exactly on the steps some component reads them, without restating
+their rules; every counter is in :class:`scaletrain.train.state.TrainState`.
 """
 from __future__ import annotations
 
@@ -135,6 +136,10 @@ class StepLogger:
         self._t_log = time.time()
         self._steps_at_start = self.state.step
 
+    def due(self, step: int) -> bool:
+        """A report after ``step``: every ``log_every`` updates and at ``max_steps``."""
+        return step % self.log_every == 0 or step == self.max_steps
+
     def after_step(self, out: StepOutput, data_wait: float = 0.0) -> None:
         """``data_wait``: seconds this step waited for its batches (the data loader). No host read here: the
         loss sums are added on the device (float64, step order) and read at the report."""
@@ -147,8 +152,7 @@ class StepLogger:
         self._tok += out.global_tokens
         self._outs.append(out)
         self.progress.step()
-        st = self.state
-        if st.step % self.log_every == 0 or st.step == self.max_steps:
+        if self.due(self.state.step):
             self._report(out)
 
     def _eta(self) -> float:
@@ -160,7 +164,7 @@ class StepLogger:
         aux_sum, aux_n = self.unit.aux_loss(reset=True)
         loss, nll, ntok = self._sums.tolist() if self._sums is not None else (0.0, 0.0, 0.0)
         skipped = sum(int(o.info.skipped and not o.info.nonfinite and not o.oom) for o in self._outs)
-        l, nl, nt, ex, aux_sum, aux_n = eng.all_reduce_sum([loss, nll, ntok, self._examples, aux_sum, aux_n])
+        l, nl, nt, ex, aux_sum, aux_n = eng.parallel.all_reduce_sum([loss, nll, ntok, self._examples, aux_sum, aux_n])
         elapsed = max(time.time() - self._t_log, 1e-9)
         tps = self._tok / elapsed
         metrics = {
@@ -221,40 +225,55 @@ def peak_memory(device) -> dict[str, float]:
 
 
 class Evaluator:
-    """Validation loss (``valid_every``) and BLEU/chrF (``bleu_every``) on every rank; rank 0 reports."""
+    """Validation loss every ``valid_every`` updates (at most ``valid_max_batches`` batches of the ``data``
+    section's valid split) and BLEU/chrF every ``bleu_every`` (``bleu``: a ``BleuValidator``), on every rank;
+    rank 0 reports. ``build_model()``: a decoding copy of the model (every expert in this process)."""
 
-    def __init__(self, cfg, engine, unit: TranslationUnit, vocab, state: TrainState, tracker,
-                 build_model: Callable, bleu=None):
-        self.cfg, self.engine, self.unit, self.vocab, self.state = cfg, engine, unit, vocab, state
-        self.tracker, self.build_model = tracker, build_model
+    def __init__(self, engine, unit: TranslationUnit, vocab, state: TrainState, tracker, build_model: Callable, *,
+                 data, valid_every: int, valid_max_batches: int, bleu_every: int = 0, bleu=None,
+                 oom: OomPolicy | None = None):
+        self.engine, self.unit, self.vocab, self.state = engine, unit, vocab, state
+        self.tracker, self.build_model, self.data = tracker, build_model, data
+        self.valid_every, self.valid_max_batches, self.bleu_every = valid_every, valid_max_batches, bleu_every
         self.progress: ProgressDisplay | None = None  # the trainer's display, for in-training BLEU's own line
-        self.bleu = bleu  # a BleuValidator where train.bleu_every is set
+        self.bleu = bleu
+        self.oom = oom or OomPolicy("stop", data.max_tokens, engine.world_size)
 
     @classmethod
     def for_run(cls, cfg, engine, unit: TranslationUnit, vocab, state: TrainState, tracker,
                 build_model: Callable) -> "Evaluator":
-        """``build_model()``: a decoding copy of the model (every expert in this process)."""
+        """The BLEU set (``eval.valid_lines`` per direction) is read where ``train.bleu_every`` is set."""
         bleu = None
         if cfg.train.bleu_every:
             from scaletrain.eval.in_training import BleuValidator
 
             bleu = BleuValidator.for_run(cfg, vocab, cfg.eval.valid_lines)
-        return cls(cfg, engine, unit, vocab, state, tracker, build_model, bleu)
+        tc = cfg.train
+        return cls(engine, unit, vocab, state, tracker, build_model, data=cfg.data, valid_every=tc.valid_every,
+                   valid_max_batches=tc.valid_max_batches, bleu_every=tc.bleu_every, bleu=bleu,
+                   oom=OomPolicy(tc.on_oom, cfg.data.max_tokens, engine.world_size))
+
+    def _every(self, n: int, step: int) -> bool:
+        return bool(n) and step % n == 0
+
+    def due(self, step: int) -> bool:
+        """Validation or BLEU after ``step``."""
+        return self._every(self.valid_every, step) or self._every(self.bleu_every, step)
 
     def after_step(self) -> dict[str, float]:
-        tc, step = self.cfg.train, self.state.step
+        step = self.state.step
         metrics: dict[str, float] = {}
-        if tc.valid_every and step % tc.valid_every == 0:
+        if self._every(self.valid_every, step):
             metrics["valid/nll"] = self.validation_loss()
-        if tc.bleu_every and step % tc.bleu_every == 0:
+        if self._every(self.bleu_every, step):
             metrics.update(self.bleu_scores())
         return metrics
 
     def validation_loss(self) -> float:
-        d, eng = self.cfg.data, self.engine
+        d, eng = self.data, self.engine
         stream = ShardLoader.for_run(d, "valid", parallel=eng.parallel, vocab=self.vocab)
-        oom = OomPolicy.for_run(self.cfg, eng)  # a batch out of memory: stop naming it, or leave it out
-        res = validation(eng, self.unit, stream, self.cfg.train.valid_max_batches, oom=oom,
+        oom = self.oom  # a batch out of memory: stop naming it, or leave it out
+        res = validation(eng, self.unit, stream, self.valid_max_batches, oom=oom,
                          where=f"validation at step {self.state.step}")
         v = res.nll
         self.state.valid_history.append((self.state.step, v))
@@ -267,7 +286,7 @@ class Evaluator:
                 log.warning("step %d: %d validation batch(es) ran out of memory and were left out (train.on_oom=skip); "
                             "%s (data.max_tokens=%d)", self.state.step, res.oom_batches,
                             f"valid nll is over the {res.batches} that ran" if res.batches else
-                            "none ran: valid nll is NaN, never a best", self.cfg.data.max_tokens)
+                            "none ran: valid nll is NaN, never a best", self.data.max_tokens)
             self.tracker.log_metrics(metrics, step=self.state.step)
         return v
 
@@ -330,4 +349,4 @@ class EarlyStopper:
         if decision.save and saved is not None:
             if self.engine.is_main:
                 self.best.keep(saved)
-            self.engine.barrier()
+            self.engine.parallel.barrier()

@@ -41,10 +41,6 @@ class NonfiniteGuard:
         self.dir = Path(out_dir) / DUMP_DIR
         self.engine, self.state, self.vocab = engine, state, vocab
 
-    @classmethod
-    def for_run(cls, cfg, engine, state: TrainState, vocab) -> "NonfiniteGuard":
-        return cls(cfg.train.nonfinite, cfg.train.max_nonfinite, cfg.out_dir, engine, state, vocab)
-
     def after_step(self, out: StepOutput, micro: list, position: dict | None, step: int | None = None) -> None:
         """After update ``step`` (default ``state.step``), in step order; the trainer calls it when it reads the
         updates' device values (log, validation and save steps: ``Trainer._settle``), so a stop comes at the

@@ -45,11 +45,6 @@ class OomPolicy:
                 "cannot rejoin the step's collectives on the others); use train.on_oom=stop and lower data.max_tokens")
         self.mode, self.max_tokens = mode, max_tokens
 
-    @classmethod
-    def for_run(cls, cfg, engine) -> "OomPolicy":
-        """``train.on_oom`` for this job's ranks; ``data.max_tokens`` (resolved) is named in its lines."""
-        return cls(cfg.train.on_oom, cfg.data.max_tokens, engine.world_size)
-
     def recover(self, engine, micro: list, failed: int, memory: str = "") -> str:
         """After micro-batch ``failed`` of ``micro`` ran out of memory (the exception already released;
         ``memory``: :func:`~scaletrain.oom.memory_summary` taken when it was raised): raise under ``stop``;

@@ -103,10 +103,6 @@ class Preemption:
         self._timer: threading.Timer | None = None
         self._watch: LauncherWatch | None = None
 
-    @classmethod
-    def for_run(cls, cfg) -> "Preemption":
-        return cls(cfg.train.preempt_grace_seconds)
-
     @property
     def requested(self) -> bool:
         return self.signum is not None

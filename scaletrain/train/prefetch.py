@@ -85,11 +85,6 @@ class Prefetcher:
         self.copy = copy if copy is not None else copier(device)
         self._next: Fetched | None = None
 
-    @classmethod
-    def for_run(cls, cfg, stream, engine) -> "Prefetcher":
-        """``engine.grad_accum`` micro-batches per step of ``stream``, moved to the engine's device."""
-        return cls(stream, iter(stream), cfg.engine.grad_accum, engine.device)
-
     def fetch(self) -> None:
         """Read the next step's batches and start moving them (no-op when one is already fetched)."""
         if self._next is not None:

@@ -88,13 +88,12 @@ class RunRecorder:
         """The engine's resolved settings (DeepSpeed JSON with batch sizes filled, or the accelerate
         settings) and the shard manifest."""
         cfg, eng = self.cfg, self.engine
-        ds_config = getattr(eng, "ds_config", None)
-        if isinstance(ds_config, dict):
-            self.tracker.log_dict(ds_config, "engine/ds_config.json")
+        if eng.ds_config is not None:
+            self.tracker.log_dict(eng.ds_config, "engine/ds_config.json")
         if cfg.engine.backend == "accelerate":
             self.tracker.log_dict({"accelerate": cfg.engine.accelerate, "mixed_precision": cfg.engine.precision,
                                    "gradient_accumulation_steps": cfg.engine.grad_accum,
-                                   "num_processes": eng.world_size, "zero_stage": getattr(eng, "zero_stage", 0)},
+                                   "num_processes": eng.world_size, "zero_stage": eng.zero_stage},
                                   "engine/accelerate.yaml")
         manifest = Path(cfg.data.shards) / "manifest.json"
         if manifest.is_file():
@@ -106,7 +105,7 @@ class RunRecorder:
         t, eng = self.cfg.tracking, self.engine
         if not (t.enabled and t.system_metrics):
             return
-        uri = eng.broadcast_object(self.tracker.uri if eng.is_main else None)
+        uri = eng.parallel.broadcast_object(self.tracker.uri if eng.is_main else None)
         if eng.local_rank != 0 or not run_id:
             return
         node = f"node{node_layout(eng.rank, eng.world_size)[0]}"
@@ -185,8 +184,8 @@ def run_tags(cfg: Config, engine, manifest) -> dict[str, str]:
     tags: dict[str, object] = {
         "recipe": cfg.name, "arch": m.arch, "embedding": getattr(m, "embedding", ""),
         "engine": e.backend if e.backend != "accelerate" else f"accelerate/{e.accelerate}",
-        "zero_stage": getattr(engine, "zero_stage", 0), "precision": e.precision, "world_size": world,
-        "nodes": node_layout(getattr(engine, "rank", 0), world)[1], "tokenizer": cfg.data.tokenizer,
+        "zero_stage": engine.zero_stage, "precision": e.precision, "world_size": world,
+        "nodes": node_layout(engine.rank, world)[1], "tokenizer": cfg.data.tokenizer,
     }
     if cfg.moe.enabled():
         tags.update({"moe.experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k,
@@ -242,8 +241,8 @@ def checkpoint_models(cfg: Config, out_dir: Path, dataset: dict, param_counts: M
 
 def _devices(engine) -> str:
     """``cpu``, or the accelerator's name (``cuda: NVIDIA H100 80GB HBM3``), as rank 0 sees it."""
-    device = getattr(engine, "device", None)
-    kind = getattr(device, "type", str(device or "cpu"))
+    device = engine.device
+    kind = device.type
     if kind == "cuda":
         import torch
 
@@ -267,9 +266,9 @@ def run_note(cfg: Config, engine, dataset: Mapping, param_counts: Mapping[str, i
     splits = ", ".join(f"{k} {v:,}" for k, v in (prof.get("splits") or {}).items())
     langs = ", ".join(prof.get("languages") or [])
     where = e.backend if e.backend != "accelerate" else f"Accelerate ({e.accelerate})"
-    if e.backend == "deepspeed" or getattr(engine, "zero_stage", 0):
-        where += f" ZeRO stage {getattr(engine, 'zero_stage', 0)}"
-    nodes = node_layout(getattr(engine, "rank", 0), world)[1]
+    if e.backend == "deepspeed" or engine.zero_stage:
+        where += f" ZeRO stage {engine.zero_stage}"
+    nodes = node_layout(engine.rank, world)[1]
     commit = git_info().get("commit")
     code = f"scaletrain {scaletrain.__version__}" + (f" at commit {commit[:12]}" if commit else "")
     return (f"Training of the `{cfg.name}` recipe ({m.arch}, {cfg.data.tokenizer} tokenizer, "

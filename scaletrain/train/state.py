@@ -85,10 +85,6 @@ class SaveTimer:
         self.every = every_minutes * 60.0
         self.state = state
 
-    @classmethod
-    def for_run(cls, cfg, state: TrainState) -> "SaveTimer":
-        return cls(cfg.train.save_every_minutes, state)
-
     def due(self) -> bool:
         return self.every > 0 and self.state.train_seconds - self.state.last_save_seconds >= self.every
 
@@ -103,10 +99,6 @@ class TimeBudget:
     def __init__(self, max_minutes: float, state: TrainState):
         self.limit = max_minutes * 60.0
         self.state = state
-
-    @classmethod
-    def for_run(cls, cfg, state: TrainState) -> "TimeBudget":
-        return cls(cfg.train.max_minutes, state)
 
     def exceeded(self) -> bool:
         return self.limit > 0 and self.state.train_seconds > self.limit

@@ -1,10 +1,10 @@
 """The one training loop. Engine-agnostic: DeepSpeed or Accelerate behind `scaletrain.engine.Engine`.
 
 :meth:`Trainer.fit` is a short orchestration over components (``scaletrain/train/components.py``):
-the train step and the NMT unit (``unit.py``), the step logger, the evaluator, the early stopper and
-``CheckpointManager.maybe_save``. Every counter lives in one :class:`TrainState` (``state.py``) that
-each checkpoint saves, so a resumed job continues its counters, its validation history, its best
-checkpoint, its MLflow run and its wall-clock budget. What the job records for MLflow besides its per-step
+the train step and the NMT unit (``unit.py``), the step logger, the evaluator, the early stopper and the
+checkpoints (``CheckpointManager``, handed the checkpoint's contents when one is due). Every counter lives
+in one :class:`TrainState` (``state.py``) that each checkpoint saves, so a resumed job continues its
+counters, its validation history, its best checkpoint, its MLflow run and its wall-clock budget. What the job records for MLflow besides its per-step
 metrics (the run, its tags and set-up artifacts, system metrics, checkpoints, plots, the end status) is the
 :class:`~scaletrain.train.recorder.RunRecorder`'s.
 """
@@ -14,14 +14,13 @@ import json
 import logging
 import os
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from scaletrain.checkpoint import CheckpointManager
+from scaletrain.checkpoint import CheckpointContents, CheckpointManager
 from scaletrain.config import Config, dump_yaml
 from scaletrain.data.loader import ShardLoader, auto_num_workers
 from scaletrain.data.shards import load_manifest
@@ -91,24 +90,31 @@ class Trainer:
         self.out_dir = cfg.out_dir
         self.state = TrainState()
         self.clock = TrainClock(self.state)
-        self.budget = TimeBudget.for_run(cfg, self.state)
-        self.save_timer = SaveTimer.for_run(cfg, self.state)
-        self.ckpt = CheckpointManager.for_run(cfg, eng)
-        self.recorder = RunRecorder(cfg, eng, self.out_dir)
-        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (ReplayFilter)
-        self.unit = TranslationUnit.for_run(cfg, eng, self.vocab)
-        self.logger = StepLogger.for_run(cfg, eng, self.unit, self.state, self.clock, self.budget, self.tracker,
-                                         self.vocab)
-        self.evaluator = Evaluator.for_run(cfg, eng, self.unit, self.vocab, self.state, self.tracker,
-                                           lambda: self.build_model(expert_parallel=False))
-        self.stopper = EarlyStopper.for_run(cfg, self.ckpt.root, eng, self.state)
-        self.preemption = Preemption.for_run(cfg)
-        self.nonfinite = NonfiniteGuard.for_run(cfg, eng, self.state, self.vocab)
-        self.oom = OomPolicy.for_run(cfg, eng)
+        self._components(cfg, eng)
         self.prefetcher: Prefetcher | None = None  # made in fit()
         self._pending: list = []  # (step, StepOutput, host batches, stream position) not yet read (_settle)
         self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
         self.preempted = False
+
+    def _components(self, cfg: Config, eng: Engine) -> None:
+        """The components around the step, each given the keys it uses (``X.for_run(cfg, ...)`` where building
+        one computes something from the config: the step logger's MFU peak, the evaluator's BLEU set, the best
+        checkpoint's tracker)."""
+        tc, st = cfg.train, self.state
+        self.budget = TimeBudget(tc.max_minutes, st)
+        self.save_timer = SaveTimer(tc.save_every_minutes, st)
+        self.ckpt = CheckpointManager(cfg.out_dir, eng, tc.keep_last, save_every=tc.save_every,
+                                      on_save_error=tc.on_save_error)
+        self.recorder = RunRecorder(cfg, eng, self.out_dir)
+        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (ReplayFilter)
+        self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
+        self.logger = StepLogger.for_run(cfg, eng, self.unit, st, self.clock, self.budget, self.tracker, self.vocab)
+        self.evaluator = Evaluator.for_run(cfg, eng, self.unit, self.vocab, st, self.tracker,
+                                           lambda: self.build_model(expert_parallel=False))
+        self.stopper = EarlyStopper.for_run(cfg, self.ckpt.root, eng, st)
+        self.preemption = Preemption(tc.preempt_grace_seconds)
+        self.nonfinite = NonfiniteGuard(tc.nonfinite, tc.max_nonfinite, cfg.out_dir, eng, st, self.vocab)
+        self.oom = OomPolicy(tc.on_oom, cfg.data.max_tokens, eng.world_size)  # the resolved max_tokens
 
     def _num_workers(self) -> int:
         nw = self.cfg.data.num_workers
@@ -158,14 +164,14 @@ class Trainer:
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
             (Path(self.out_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
-        eng.barrier()
+        eng.parallel.barrier()
         self._resume()
         st.run_id = self.recorder.start(st.run_id, lambda: st.step, manifest=self.manifest,
                                         vocab_size=self.vocab.size, param_counts=self.param_counts)
         baseline = self._baseline()
         if self.cfg.train.valid_every and st.step == 0:
             self.evaluator.validation_loss()  # the start of the validation curve
-        self.prefetcher = Prefetcher.for_run(self.cfg, self.stream, eng)
+        self.prefetcher = Prefetcher(self.stream, iter(self.stream), self.cfg.engine.grad_accum, eng.device)
         self._pending = []
         if st.step < self.cfg.train.max_steps:
             self.prefetcher.fetch()  # the first step's batches (opening the stream: outside the step ranges)
@@ -213,17 +219,17 @@ class Trainer:
             self._settle()  # raises to stop on a non-finite update (every rank, same step)
         self.logger.after_step(out, got.wait)
         decision = self.stopper.update(self.evaluator.after_step())
-        saved = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=decision.save or out.save_due)
+        saved = self.save() if decision.save or out.save_due or self.ckpt.due(st.step) else None
         self.recorder.record_checkpoint(saved, st.step)
         self.stopper.keep(saved, decision)
         return decision.stop
 
     def _settle_due(self, out) -> bool:
-        """A step whose components read this update's values: log, validation, save, the last one."""
-        step, tc = self.state.step, self.cfg.train
-        return (len(self._pending) >= MAX_PENDING or step >= tc.max_steps or out.save_due or step % tc.log_every == 0
-                or (tc.valid_every and step % tc.valid_every == 0) or (tc.bleu_every and step % tc.bleu_every == 0)
-                or (tc.save_every and step % tc.save_every == 0))
+        """A step whose components read this update's values (each says when it is due: log, validation, save),
+        the last one, a save voted for, or ``MAX_PENDING`` updates unread."""
+        step = self.state.step
+        return (len(self._pending) >= MAX_PENDING or step >= self.cfg.train.max_steps or out.save_due
+                or self.logger.due(step) or self.evaluator.due(step) or self.ckpt.due(step))
 
     def _settle(self) -> None:
         """Read the pending updates' device values in one go; count fp16-skipped updates and apply the NaN/inf
@@ -249,7 +255,7 @@ class Trainer:
                          self.preemption.signal_name or "signal on another rank", st.step)
         elif not st.valid_history or st.valid_history[-1][0] != st.step:
             self.evaluator.validation_loss()
-        final = self.ckpt.maybe_save(st.step, self._checkpoint_contents, force=True)
+        final = self.save()
         self.recorder.record_checkpoint(final, st.step)
         if self.preempted and self.engine.is_main:  # launch.sh reads it: the launchers exit 1 on a signal
             (Path(self.out_dir) / PREEMPTED_FILE).write_text(json.dumps(
@@ -263,19 +269,20 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------------------
-    def _checkpoint_contents(self) -> dict:
+    def _checkpoint_contents(self) -> CheckpointContents:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
-        return dict(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
-                    config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+        return CheckpointContents(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
+                                  config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
 
     def _stream_position(self):
         """Where a resume reads on: before the first batches no update has used (read-ahead ones included)."""
         prefetcher = getattr(self, "prefetcher", None)
         return prefetcher.resume_position() if prefetcher is not None else self.stream.state_dict()
 
-    def save(self) -> Path:
-        return self.ckpt.maybe_save(self.state.step, self._checkpoint_contents, force=True)
+    def save(self) -> Path | None:
+        """A checkpoint of the current step (collective); None where it failed under train.on_save_error=continue."""
+        return self.ckpt.save(self.state.step, self._checkpoint_contents())
 
     def _resume(self) -> None:
         if not self.cfg.train.resume:
@@ -295,7 +302,7 @@ class Trainer:
         cfg, eng = self.cfg, self.engine
         shards = run_source(cfg.data)  # a directory, URL or pipe: command
         base_nll = unigram_nll(shards, vocab=self.vocab, on_corrupt=cfg.data.on_corrupt) if eng.is_main else 0.0
-        base_nll = eng.broadcast_object(base_nll)
+        base_nll = eng.parallel.broadcast_object(base_nll)
         if eng.is_main:
             n_params = self.param_counts.get("total", 0)
             log.info("training %s: %d ranks on %s, %s params, %s, target-unigram valid nll %.3f",

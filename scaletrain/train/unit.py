@@ -26,10 +26,6 @@ class TranslationUnit:
         self._aux_sum, self._aux_n = None, 0  # MoE auxiliary loss of the training batches (on the device)
         self.moe_usage = MoeLanguageUsage.for_model(engine.module, len(langs)) if langs else None
 
-    @classmethod
-    def for_run(cls, cfg, engine: Engine, vocab) -> "TranslationUnit":
-        return cls(engine, cfg.optim.label_smoothing, vocab.pad, vocab.langs)
-
     def loss(self, batch):
         """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
 
@@ -62,9 +58,9 @@ class TranslationUnit:
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
         # MoE counts are summed over the ranks (collective: every rank calls this at the same points)
-        out = routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.all_reduce_sum)
+        out = routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.parallel.all_reduce_sum)
         if self.moe_usage is not None:
-            out.update(self.moe_usage.metrics(self.langs, self.engine.all_reduce_sum, reset=reset))
+            out.update(self.moe_usage.metrics(self.langs, self.engine.parallel.all_reduce_sum, reset=reset))
         return out
 
 
@@ -130,7 +126,8 @@ class StopVote:
 def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bool,
                preempt_vote: bool = False, save_vote: bool = False, oom: OomPolicy | None = None
                ) -> StepOutput | StopVote:
-    """One update over ``micro`` (grad_accum batches), or a :class:`StopVote` when any rank voted to stop
+    """One update over ``micro`` (grad_accum batches, already on the engine's device: the prefetcher moved them,
+    ``prefetch.py``), or a :class:`StopVote` when any rank voted to stop
     (``stop_vote``: budget spent; ``preempt_vote``: a preemption signal); the votes ride on the step's
     token all-reduce, so every rank stops at the same step. ``save_vote`` (rank 0's save timer) comes
     back as ``StepOutput.save_due`` on every rank, from the same all-reduce.
@@ -148,15 +145,16 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
     """
     local_tok = sum(b.n_tgt_tokens for b in micro)
     local_src = sum(b.n_src_tokens for b in micro)
-    g_tok, g_stop, g_src, g_preempt, g_save = engine.all_reduce_sum([local_tok, float(stop_vote), local_src,
-                                                                    float(preempt_vote), float(save_vote)])
+    g_tok, g_stop, g_src, g_preempt, g_save = engine.parallel.all_reduce_sum(
+        [local_tok, float(stop_vote), local_src, float(preempt_vote), float(save_vote)])
     if g_stop > 0 or g_preempt > 0:
         return StopVote(preempted=g_preempt > 0)
-    scale = engine.world_size * len(micro) / g_tok
+    # the libraries average gradients over the data-parallel ranks and the engine over the micro-batches:
+    # undo both, so that the update is the gradient of the global token-mean loss
+    scale = engine.parallel.dp_size * len(micro) / g_tok
     acc, examples, failed = None, 0, None
     for i, b in enumerate(micro):
         try:
-            b = b.to(engine.device)
             loss_sum, nll_sum, ntok = unit.loss(b)
             engine.backward(loss_sum * scale)
         except Exception as e:  # noqa: BLE001 - re-raised unless out of memory under a policy
@@ -208,7 +206,7 @@ def validation(engine: Engine, unit: TranslationUnit, batches, max_batches: int,
     lockstep, it, last = engine.partitioned(), iter(batches), None
     for k in range(max_batches):
         batch = next(it, None)
-        if lockstep and engine.all_reduce_sum([float(batch is not None)])[0] == 0 or not lockstep and batch is None:
+        if lockstep and engine.parallel.all_reduce_sum([float(batch is not None)])[0] == 0 or not lockstep and batch is None:
             break
         if batch is None:  # lock-step: join the others' collectives
             if last is not None:
@@ -231,7 +229,7 @@ def validation(engine: Engine, unit: TranslationUnit, batches, max_batches: int,
         nll = s if nll is None else nll + s
         ran += 1
     nll, n = nll.tolist() if nll is not None else (0.0, 0.0)
-    tot_nll, tot_n, tot_ran, tot_skipped = engine.all_reduce_sum([nll, n, float(ran), float(skipped)])
+    tot_nll, tot_n, tot_ran, tot_skipped = engine.parallel.all_reduce_sum([nll, n, float(ran), float(skipped)])
     unit.routing(reset=True)  # routing statistics describe training batches only
     engine.train(True)
     mean = tot_nll / max(tot_n, 1) if tot_ran or not tot_skipped else float("nan")

@@ -56,7 +56,7 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
     batch = batches[dp.dp_rank].to(eng.device)
     eng.train(True)
     loss_sum, _, ntok = trainer.unit.loss(batch)
-    total = eng.all_reduce_sum([float(ntok)])[0]
+    total = eng.parallel.all_reduce_sum([float(ntok)])[0]
     eng.backward(loss_sum * eng.world_size / total)  # the engines average over the world
     ep = ExpertParallelGrads(eng.module, eng.parallel)
     if ep.active:
@@ -67,7 +67,7 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
     no_grad = [n for n, p in eng.module.named_parameters() if p.grad is None and p.numel()]
     write_info(d, eng, trainer.param_counts["total"], no_grad=no_grad)
     trainer.close()
-    eng.barrier()
+    eng.parallel.barrier()
 
 
 def write_info(d: Path, eng, total: int, **extra) -> None:

@@ -1,6 +1,7 @@
-"""dist_driver.py with a planted fault: rank NAN_RANK's loss is NaN at update NAN_STEP (environment variables).
+"""dist_driver.py with a planted fault: rank NAN_RANK's loss is NaN (or NAN_VALUE: inf) at update NAN_STEP
+(environment variables).
 
-usage (under a launcher): NAN_RANK=1 NAN_STEP=3 nonfinite_driver.py OUT_DIR RECIPE [KEY=VALUE ...]
+usage (under a launcher): NAN_RANK=1 NAN_STEP=3 [NAN_VALUE=inf] nonfinite_driver.py OUT_DIR RECIPE [KEY=VALUE ...]
 """
 import os
 import sys
@@ -13,6 +14,7 @@ from scaletrain.train.unit import TranslationUnit  # noqa: E402
 import dist_driver  # noqa: E402
 
 RANK, STEP = int(os.environ["NAN_RANK"]), int(os.environ["NAN_STEP"])
+VALUE = float(os.environ.get("NAN_VALUE", "nan"))
 _real_loss, _real_fit = TranslationUnit.loss, trainer_mod.Trainer.fit
 _state = {}
 
@@ -26,7 +28,7 @@ def loss(self, batch):
     loss_sum, nll_sum, ntok = _real_loss(self, batch)
     tr = _state.get("trainer")
     if tr is not None and self.engine.rank == RANK and tr.state.step + 1 == STEP and self.engine.module.training:
-        loss_sum = loss_sum * float("nan")
+        loss_sum = loss_sum * VALUE
     return loss_sum, nll_sum, ntok
 
 

@@ -71,6 +71,7 @@ def test_resume_is_bitwise_identical_accelerate_one_process(django_shards, tmp_p
         assert torch.equal(a[k], b[k]), k
     full = json.loads((tmp_path / "full" / "result_rank0.json").read_text())
     res = json.loads((tmp_path / "half" / "result_rank0.json").read_text())
-    assert res["engine"] == "AccelerateEngine" and res["train_loss"] == full["train_loss"][N:]
+    assert res["engine"] == f"accelerate/{mode}" and res["train_loss"] == full["train_loss"][N:]
     ck = tmp_path / "half" / "checkpoints" / f"step-{2 * N:07d}"
-    assert (ck / ("model.safetensors" if mode == "ddp" else "scheduler.pt")).is_file()
+    assert (ck / ("model.safetensors" if mode == "ddp" else "mp_rank_00_model_states.pt")).is_file()
+    assert json.loads((ck / "engine.json").read_text())["schedule"] == {"applied": 2 * N}  # the LR schedule's position

@@ -106,7 +106,7 @@ def test_two_rank_layouts_match_one_process_with_same_global_batch(runs, layout)
     r0, r1 = result(runs, layout, 0), result(runs, layout, 1)
     ref = result(runs, SAME_AS[layout])
     assert r0["world_size"] == r1["world_size"] == 2 and ref["world_size"] == 1
-    want_engine = "AccelerateEngine" if layout.startswith("acc_") else "DeepSpeedEngine"
+    want_engine = {"acc_ddp": "accelerate/ddp", "acc_ds": "accelerate/deepspeed"}.get(layout, "deepspeed")
     assert r0["engine"] == want_engine
     if layout.startswith("zero"):
         assert r0["zero_stage"] == int(layout[4])

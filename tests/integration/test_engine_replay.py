@@ -165,13 +165,13 @@ def run_job(out: Path, shards: str, job: dict) -> None:
     probe_model = build_model(cfg.model, trainer.vocab.size, moe=cfg.moe)
     probe_model.load_state_dict(params)
     result = {
-        **res.__dict__, "world_size": eng.world_size, "rank": eng.rank, "engine": type(eng).__name__,
-        "zero_stage": getattr(eng, "zero_stage", None), "probe_loss": fixed_batch_loss(probe_model, probe, cfg.optim.label_smoothing),
+        **res.__dict__, "world_size": eng.world_size, "rank": eng.rank, "engine": eng.backend.name,
+        "zero_stage": eng.zero_stage, "probe_loss": fixed_batch_loss(probe_model, probe, cfg.optim.label_smoothing),
         "seen": getattr(stream, "seen", None),
     }
     torch.save(params, d / f"params_rank{eng.rank}.pt")
     (d / f"result_rank{eng.rank}.json").write_text(json.dumps(result))
-    eng.barrier()
+    eng.parallel.barrier()
 
 
 def main(argv: list[str]) -> None:

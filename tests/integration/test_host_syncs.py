@@ -66,10 +66,10 @@ def test_no_host_reads_between_log_steps(django_shards, tmp_path, engine, precis
 def test_the_count_sees_a_per_parameter_check(django_shards, tmp_path, monkeypatch):
     """DeepSpeed's own bf16 at ZeRO-0 (its unfused optimizer, as before the torch autocast translation):
     a host read per parameter tensor in every update."""
-    import scaletrain.engine.deepspeed_engine as dse
+    import scaletrain.engine.deepspeed_backend as dse
 
     monkeypatch.setattr(dse, "runtime_ds_config", lambda ds: ds)
     reads, tr = reads_per_update(django_shards, tmp_path, "deepspeed", "bf16")
-    assert type(tr.engine.driver.e.optimizer).__name__ == "FP16_UnfusedOptimizer"
+    assert type(tr.engine.backend.e.optimizer).__name__ == "FP16_UnfusedOptimizer"
     n_tensors = len(list(tr.engine.module.parameters()))
     assert all(reads[s] >= n_tensors for s in (1, 2, 3)), (reads, n_tensors)

@@ -108,7 +108,7 @@ def test_zero2_resume_with_another_ep_size_fails_in_one_line(runs):
     from scaletrain.errors import ScaletrainError
     from scaletrain.models import build_model
     from scaletrain.models.config import ModelConfig, MoEConfig
-    from scaletrain.parallel.state import expert_checkpoint_load, saved_ep_size
+    from scaletrain.checkpoint.experts import expert_checkpoint_load, saved_ep_size
 
     CFG = ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=24, dropout=0.0)
 

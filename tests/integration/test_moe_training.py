@@ -66,7 +66,7 @@ def test_moe_model_trains_saves_loads(engine, django_shards, tmp_path, isolated_
     if engine == "deepspeed-zero3":  # export consolidates the ZeRO-3 shards, experts included
         from safetensors.torch import load_file
 
-        from scaletrain.checkpoint import export_checkpoint
+        from scaletrain.export import export_checkpoint
 
         exported = load_file(str(export_checkpoint(out, tmp_path / "model.safetensors")))
         assert exported.keys() == trained.keys()

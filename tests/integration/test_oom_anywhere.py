@@ -281,13 +281,13 @@ def test_translate_names_the_batch_and_what_stdout_already_holds(tiny_ckpt, monk
 
 
 def test_export_leaves_out_as_it_was(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    import scaletrain.checkpoint.single_file as sf
+    import safetensors.torch as st  # what scaletrain.checkpoint.engine_state.save_safetensors calls
 
     def save_file(tensors, path, metadata=None):  # half the bytes, then the allocation fails
         Path(path).write_bytes(b"\0" * 64)
         raise torch.OutOfMemoryError(OOM)
 
-    monkeypatch.setattr(sf, "save_file", save_file)
+    monkeypatch.setattr(st, "save_file", save_file)
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"an earlier export")
     rc = main(["export", str(tiny_ckpt), "--out", str(out)])

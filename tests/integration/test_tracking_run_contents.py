@@ -104,7 +104,7 @@ def test_moce_tags_name_delta_and_lid():
     from scaletrain.train.recorder import run_tags
 
     cfg = load_config("moce_d4_lid", [])
-    engine = SimpleNamespace(world_size=4, zero_stage=2)
+    engine = SimpleNamespace(world_size=4, rank=0, zero_stage=2)
     tags = run_tags(cfg, engine, SimpleNamespace(source={"name": "ted59"}))
     assert tags["arch"] == "moce" and tags["moce.delta"] == "4" and tags["moce.lid"] == "True"
     assert tags["zero_stage"] == "2" and tags["world_size"] == "4" and tags["corpus"] == "ted59"
@@ -116,7 +116,8 @@ def test_nodes_from_local_world_size(monkeypatch, local, nodes):
     from scaletrain.train.recorder import run_tags
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    tags = run_tags(load_config("small", []), SimpleNamespace(world_size=4), SimpleNamespace(source={}))
+    tags = run_tags(load_config("small", []), SimpleNamespace(world_size=4, rank=0, zero_stage=0),
+                    SimpleNamespace(source={}))
     assert tags["nodes"] == nodes and tags["zero_stage"] == "0"
 
 

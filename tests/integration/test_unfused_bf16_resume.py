@@ -7,7 +7,7 @@ monkeypatch that ``test_host_syncs`` uses to bring that optimizer back). Resumin
 with one line naming the checkpoint and what to do, leaves every file of the run directory as it was, and
 the weights-only route the line names (``load_model_weights``: evaluate, translate, average, export) reads it.
 
-Seen failing without ``deepspeed_driver.refuse_unfused_layout``: DeepSpeed's ``KeyError: 'param_groups'`` from
+Seen failing without ``deepspeed_files.refuse_unfused_layout``: DeepSpeed's ``KeyError: 'param_groups'`` from
 ``torch.optim.Optimizer.load_state_dict``, with a traceback and no hint."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _files(root):
 
 
 def test_resume_of_an_unfused_bf16_checkpoint_fails_in_one_line(django_shards, tmp_path, monkeypatch):
-    import scaletrain.engine.deepspeed_engine as dse
+    import scaletrain.engine.deepspeed_backend as dse
     from scaletrain.checkpoint import load_model_weights
     from scaletrain.train import Trainer
 
@@ -40,7 +40,7 @@ def test_resume_of_an_unfused_bf16_checkpoint_fails_in_one_line(django_shards, t
     with monkeypatch.context() as m:
         m.setattr(dse, "runtime_ds_config", lambda ds: ds)  # DeepSpeed's own bf16 at ZeRO-0, as it was
         tr = Trainer(load_config("small", [*run, "train.max_steps=2", "train.save_every=2", "train.resume=false"]))
-        assert type(tr.engine.driver.e.optimizer).__name__ == "FP16_UnfusedOptimizer"
+        assert type(tr.engine.backend.e.optimizer).__name__ == "FP16_UnfusedOptimizer"
         tr.fit()
         tr.close()
     ckpt = tmp_path / "checkpoints" / "step-0000002"

@@ -1,8 +1,8 @@
 """Atomic checkpoints: a crash during a save leaves the previous checkpoint loadable and `latest`
 never names a partial one; resuming with another world size fails with a clear message.
 
-A one-process engine stands in for DeepSpeed/Accelerate here (CheckpointManager only needs save/load,
-rank, world size and a barrier), so these tests are fast and can crash the writer on purpose.
+The real engine over a one-process backend stands in for DeepSpeed/Accelerate here (``helpers.engine_holding``),
+so these tests are fast and can crash the writer on purpose.
 """
 from __future__ import annotations
 
@@ -14,34 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT
-from scaletrain.checkpoint import CheckpointManager, latest_tag, resolve_checkpoint
+from helpers import ROOT, engine_holding
+from scaletrain.checkpoint import CheckpointContents, CheckpointManager, latest_tag, resolve_checkpoint
 from scaletrain.errors import ScaletrainError
 
+CRASH = OSError("disk full (simulated) while writing optimizer states")
 
-class LocalEngine:
-    rank, world_size, is_main = 0, 1, True
 
-    def __init__(self, model, crash_in_save: bool = False):
-        self.model, self.crash_in_save = model, crash_in_save
-
-    def barrier(self):
-        pass
-
-    def save(self, root: Path, tag: str):
-        d = Path(root) / tag
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save(self.model.state_dict(), d / "model.pt")
-        if self.crash_in_save:
-            raise OSError("disk full (simulated) while writing optimizer states")
-
-    def load(self, root: Path, tag: str):
-        self.model.load_state_dict(torch.load(Path(root) / tag / "model.pt"))
+def LocalEngine(model, crash_in_save: bool = False):
+    return engine_holding(model, fail_with=CRASH if crash_in_save else None)
 
 
 def _save(mgr: CheckpointManager, step: int, world_size: int = 1):
     state = {"step": step, "tokens_seen": 10 * step, "examples_seen": step, "world_size": world_size}
-    return mgr.save(step, state, {"stream": {"pos": step}}, "name: t\n", ["de", "ru"])
+    return mgr.save(step, CheckpointContents(state, {"stream": {"pos": step}}, "name: t\n", ["de", "ru"]))
 
 
 def _model(fill: float):
@@ -58,7 +44,7 @@ def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
     _save(mgr, 10)
     with torch.no_grad():
         m.weight.fill_(2.0)
-    mgr.engine.crash_in_save = True
+    mgr.engine.backend.fail_with = CRASH
     with pytest.raises(ScaletrainError, match="simulated.*step-0000010 is intact"):
         _save(mgr, 20)
     root = tmp_path / "checkpoints"
@@ -71,7 +57,7 @@ def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
     assert state["step"] == 10 and rank_state["stream"] == {"pos": 10}
     assert torch.all(fresh.weight == 1.0)
     # the next save after the crash replaces the leftover partial and succeeds
-    mgr.engine.crash_in_save = False
+    mgr.engine.backend.fail_with = None
     _save(mgr, 20)
     assert mgr.latest() == "step-0000020" and not (root / "step-0000020.partial").exists()
     assert resolve_checkpoint(tmp_path) == root / "step-0000020"
@@ -111,7 +97,7 @@ def test_process_killed_during_save(tmp_path, when):
     state, _ = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load(latest_tag(root))
     assert state["step"] == 10 and torch.all(fresh.weight == 1.0)
     if when == "rename":
-        assert (root / "step-0000020.partial" / "model.pt").is_file() and not (root / "step-0000020").exists()
+        assert (root / "step-0000020.partial" / "model.safetensors").is_file() and not (root / "step-0000020").exists()
     else:
         assert (root / "step-0000020" / "trainer_state.json").is_file()  # complete, just not yet `latest`
     assert not any(p.name.startswith("latest.tmp") and p.stat().st_size == 0 for p in root.iterdir())

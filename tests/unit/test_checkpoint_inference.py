@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import tiny_model
-from scaletrain.checkpoint import (export_checkpoint, load_exported, load_for_inference, load_model_weights,
-                                   resolve_checkpoint)
+from scaletrain.checkpoint import load_exported, load_for_inference, load_model_weights, resolve_checkpoint
 from scaletrain.config import dump_yaml, load_config
 from scaletrain.errors import ScaletrainError
+from scaletrain.export import export_checkpoint
 from scaletrain.models import build_model
 from scaletrain.vocab import ByteVocab
 

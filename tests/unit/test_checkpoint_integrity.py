@@ -13,36 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.checkpoint import (INDEX, CheckpointManager, CorruptCheckpoint, load_model_weights, verify_checkpoint,
-                                   write_index)
+from helpers import engine_holding
+from scaletrain.checkpoint import (INDEX, CheckpointContents, CheckpointManager, CorruptCheckpoint, load_model_weights,
+                                   verify_checkpoint, write_index)
 from scaletrain.config import load_config
 from scaletrain.errors import ScaletrainError
 
 
-class OneRank:
-    rank, world_size, is_main = 0, 1, True
-
-    def __init__(self, fail_with: BaseException | None = None):
-        self.w = torch.ones(4)
-        self.fail_with = fail_with
-
-    def barrier(self):
-        pass
-
-    def save(self, root: Path, tag: str):
-        d = Path(root) / tag
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save({"w": self.w}, d / "model.pt")
-        if self.fail_with is not None:
-            raise self.fail_with
-
-    def load(self, root: Path, tag: str):
-        self.w = torch.load(Path(root) / tag / "model.pt")["w"]
+def OneRank(fail_with: BaseException | None = None):
+    """The real engine, world of one, holding a one-layer model; ``fail_with``: raised inside its save."""
+    return engine_holding(torch.nn.Linear(4, 1), fail_with=fail_with)
 
 
 def _save(mgr, step):
     state = {"step": step, "tokens_seen": step, "examples_seen": step, "world_size": 1}
-    return mgr.save(step, state, {"stream": {"pos": step}}, "name: t\n", ["de"])
+    return mgr.save(step, CheckpointContents(state, {"stream": {"pos": step}}, "name: t\n", ["de"]))
 
 
 def _flip(path: Path, at: int = 100):
@@ -56,7 +41,7 @@ def test_index_lists_every_file_with_its_sha256(tmp_path):
     d = _save(mgr, 1)
     files = json.loads((d / INDEX).read_text())["files"]
     assert set(files) == {p.name for p in d.iterdir()} - {INDEX}
-    assert {"model.pt", "rank00000.pt", "trainer_state.json", "config.yaml", "langs.json"} <= set(files)
+    assert {"model.safetensors", "rank00000.pt", "trainer_state.json", "config.yaml", "langs.json"} <= set(files)
     verify_checkpoint(d)  # intact
 
 
@@ -64,7 +49,7 @@ def test_index_lists_every_file_with_its_sha256(tmp_path):
 def test_a_damaged_file_is_named(tmp_path, damage):
     mgr = CheckpointManager(tmp_path, OneRank(), keep_last=3)
     d = _save(mgr, 1)
-    f = d / "model.pt"
+    f = d / "model.safetensors"
     if damage == "flip":
         _flip(f)
     elif damage == "truncate":
@@ -88,7 +73,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(tmp_pa
     with pytest.raises(ScaletrainError, match="step-0000003/rank00000.pt: corrupt.*on_corrupt_checkpoint=fallback"):
         mgr.resume_tag("stop")
     for s in (1, 2):
-        _flip(mgr.root / f"step-{s:07d}" / "model.pt")
+        _flip(mgr.root / f"step-{s:07d}" / "model.safetensors")
     with pytest.raises(ScaletrainError, match="no intact checkpoint"):
         mgr.resume_tag("fallback")
 
@@ -111,7 +96,7 @@ def test_stale_partials_are_removed(tmp_path):
     _save(mgr, 1)
     for s in (2, 3):
         (mgr.root / f"step-{s:07d}.partial").mkdir()
-        (mgr.root / f"step-{s:07d}.partial" / "model.pt").write_bytes(b"x")
+        (mgr.root / f"step-{s:07d}.partial" / "model.safetensors").write_bytes(b"x")
     assert mgr.remove_stale_partials() == ["step-0000002.partial", "step-0000003.partial"]
     assert sorted(p.name for p in mgr.root.iterdir()) == ["latest", "step-0000001"]
 
@@ -124,7 +109,7 @@ def test_full_disk_names_the_path_and_free_space_and_keeps_the_previous_checkpoi
     eng = OneRank()
     mgr = CheckpointManager(tmp_path, eng, keep_last=3)
     _save(mgr, 1)
-    eng.fail_with = error
+    eng.backend.fail_with = error
     with pytest.raises(ScaletrainError) as e:
         _save(mgr, 2)
     msg = str(e.value)
@@ -137,7 +122,7 @@ def test_full_disk_names_the_path_and_free_space_and_keeps_the_previous_checkpoi
     # continue: warn, no checkpoint, training goes on; the next save works again
     mgr.on_save_error = "continue"
     assert _save(mgr, 2) is None and mgr.latest() == "step-0000001"
-    eng.fail_with = None
+    eng.backend.fail_with = None
     assert _save(mgr, 3) == mgr.root / "step-0000003" and mgr.latest() == "step-0000003"
 
 
@@ -160,7 +145,7 @@ def test_trainer_resume_falls_back_and_clears_partials(django_shards, tmp_path, 
     t.fit()
     t.close()
     root = tmp_path / "checkpoints"
-    _flip(root / "step-0000004" / "model.pt")
+    _flip(root / "step-0000004" / "model.safetensors")
     (root / "step-0000006.partial").mkdir()
     cfg2 = load_config("small", [*over, "train.max_steps=5"])
     t2 = Trainer(cfg2, engine=SkippingEngine(cfg2, skip=()))
@@ -171,8 +156,8 @@ def test_trainer_resume_falls_back_and_clears_partials(django_shards, tmp_path, 
     assert "falling back" in caplog.text and f"resumed from {root / 'step-0000002'} at step 2" in caplog.text
     assert res.steps == 5 and t2.engine.updates == 3
     cfg3 = load_config("small", [*over, "train.max_steps=6", "train.on_corrupt_checkpoint=stop"])
-    _flip(root / "step-0000005" / "model.pt")
+    _flip(root / "step-0000005" / "model.safetensors")
     t3 = Trainer(cfg3, engine=SkippingEngine(cfg3, skip=()))
-    with pytest.raises(ScaletrainError, match="step-0000005/model.pt: corrupt"):
+    with pytest.raises(ScaletrainError, match="step-0000005/model.safetensors: corrupt"):
         t3.fit()
     t3.close()

@@ -91,16 +91,17 @@ def test_readme_layout_table_matches_the_tree():
 
 
 def test_only_the_engine_package_imports_deepspeed():
+    """DeepSpeed is the engine's; the checkpoint package reads DeepSpeed's files in one module of its own."""
     outside = []
     for p in _sources():
-        if (PKG / "engine") in p.parents:
+        if (PKG / "engine") in p.parents or p == PKG / "checkpoint" / "deepspeed_files.py":
             continue
         for node in ast.walk(ast.parse(p.read_text(), str(p))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
                 outside.append(f"{p.relative_to(ROOT)}:{node.lineno}")
-    assert not outside, f"DeepSpeed imported outside scaletrain/engine/: {outside}"
+    assert not outside, f"DeepSpeed imported outside scaletrain/engine/ (and checkpoint/deepspeed_files.py): {outside}"
 
 
 def _unit(dotted: str) -> str:

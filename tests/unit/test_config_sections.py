@@ -119,42 +119,65 @@ def _component_classes() -> dict[str, type]:
 def test_the_trainer_builds_its_components_with_for_run():
     """No component with a ``for_run`` is constructed in trainer.py with its keys unpacked by hand."""
     classes = _component_classes()
-    assert {"CheckpointManager", "StepLogger", "Evaluator", "EarlyStopper", "NonfiniteGuard", "OomPolicy",
-            "Preemption", "Prefetcher", "TranslationUnit", "TimeBudget", "SaveTimer"} <= set(classes)
+    assert {"StepLogger", "Evaluator", "EarlyStopper"} <= set(classes)
     tree = ast.parse((ROOT / "scaletrain/train/trainer.py").read_text(encoding="utf-8"))
     direct = [f"line {n.lineno}: {n.func.id}(...)" for n in ast.walk(tree)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in classes]
     assert not direct, f"build these with {{Class}}.for_run(cfg, ...): {direct}"
 
 
-def test_for_run_reads_the_config(tmp_path):
-    from types import SimpleNamespace
+def _passes_keys_through(fn: ast.FunctionDef) -> bool:
+    """``for_run``'s body is ``return cls(...)`` of names and attribute reads only (plus its docstring)."""
+    body = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return False
+    call = body[0].value
+    args = [*call.args, *(k.value for k in call.keywords)]
+    return getattr(call.func, "id", "") == "cls" and all(isinstance(a, (ast.Name, ast.Attribute)) for a in args)
 
-    from scaletrain.checkpoint import CheckpointManager
-    from scaletrain.train.components import EarlyStopper
-    from scaletrain.train.nonfinite import NonfiniteGuard
-    from scaletrain.train.oom import OomPolicy
-    from scaletrain.train.preemption import Preemption
-    from scaletrain.train.state import SaveTimer, TimeBudget, TrainState
 
-    cfg = load_config("small", [f"train.out_dir={tmp_path}", "train.keep_last=7", "train.save_every=11",
+def test_a_for_run_exists_only_where_it_computes_something():
+    """A component whose keys the trainer can hand over as they are has no ``for_run``: it is built with plain
+    values (its constructor is what a test uses too)."""
+    found = []
+    for p in sorted((ROOT / "scaletrain").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and node.name == "for_run" and _passes_keys_through(node):
+                found.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"for_run that only passes keys through (build the class directly): {found}"
+
+
+def test_the_trainer_hands_each_component_its_keys(django_shards, tmp_path):
+    from test_engine_loop import TINY, SkippingEngine
+
+    from scaletrain.train import Trainer
+
+    cfg = load_config("small", [*TINY, f"data.shards={django_shards}", f"train.out_dir={tmp_path}",
+                                "train.keep_last=7", "train.save_every=11", "train.valid_every=3", "train.bleu_every=0",
                                 "train.on_save_error=continue", "train.max_minutes=2", "train.save_every_minutes=3",
                                 "train.nonfinite=stop", "train.max_nonfinite=4", "train.on_oom=skip",
                                 "train.preempt_grace_seconds=9", "train.best_metric=valid/nll",
                                 "train.best_mode=min", "train.patience=5", "train.best_min_delta=0.25"])
-    eng = SimpleNamespace(world_size=1, rank=0, is_main=True)
-    state = TrainState()
-    ckpt = CheckpointManager.for_run(cfg, eng)
-    assert (ckpt.root, ckpt.keep_last, ckpt.save_every, ckpt.on_save_error) == (
-        tmp_path / "checkpoints", 7, 11, "continue")
-    assert TimeBudget.for_run(cfg, state).limit == 120.0 and SaveTimer.for_run(cfg, state).every == 180.0
-    guard = NonfiniteGuard.for_run(cfg, eng, state, vocab=None)
-    assert (guard.mode, guard.max_run, guard.dir) == ("stop", 4, tmp_path / "nonfinite")
-    oom = OomPolicy.for_run(cfg, eng)
-    assert (oom.mode, oom.max_tokens) == ("skip", cfg.data.max_tokens)
-    assert Preemption.for_run(cfg).grace == 9.0
-    best = EarlyStopper.for_run(cfg, ckpt.root, eng, state).best
-    assert (best.root, best.metric, best.mode, best.patience, best.min_delta) == (
-        ckpt.root, "valid/nll", "min", 5, 0.25)
-    assert best.update(100, {"valid/nll": 2.0}).improved and not best.update(200, {"valid/nll": 1.9}).improved
-    assert EarlyStopper.for_run(load_config("small"), ckpt.root, eng, state).best is None
+    tr = Trainer(cfg, engine=SkippingEngine(cfg, skip=()))
+    try:
+        ckpt = tr.ckpt
+        assert (ckpt.root, ckpt.keep_last, ckpt.save_every, ckpt.on_save_error) == (
+            tmp_path / "checkpoints", 7, 11, "continue")
+        assert tr.budget.limit == 120.0 and tr.save_timer.every == 180.0
+        assert (tr.nonfinite.mode, tr.nonfinite.max_run, tr.nonfinite.dir) == ("stop", 4, tmp_path / "nonfinite")
+        assert (tr.oom.mode, tr.oom.max_tokens) == ("skip", cfg.data.max_tokens)
+        assert tr.preemption.grace == 9.0
+        best = tr.stopper.best
+        assert (best.root, best.metric, best.mode, best.patience, best.min_delta) == (
+            ckpt.root, "valid/nll", "min", 5, 0.25)
+        assert best.update(100, {"valid/nll": 2.0}).improved and not best.update(200, {"valid/nll": 1.9}).improved
+        # each says when it is due: the trainer reads the step's values on those steps (Trainer._settle_due)
+        assert [s for s in range(1, 13) if ckpt.due(s)] == [11]
+        assert [s for s in range(1, 13) if tr.evaluator.due(s)] == [3, 6, 9, 12]
+        assert [s for s in range(1, 13) if tr.logger.due(s)] == [2, 4, 6, 8, 10, 12]
+    finally:
+        tr.close()
+    from scaletrain.train.components import EarlyStopper
+    from scaletrain.train.state import TrainState
+
+    assert EarlyStopper.for_run(load_config("small"), ckpt.root, tr.engine, TrainState()).best is None

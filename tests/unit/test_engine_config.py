@@ -86,14 +86,14 @@ def test_preflight_cli_exits_2_with_one_line():
 
 
 def test_accelerate_launch_config_must_agree_with_engine_config(monkeypatch):
-    from scaletrain.engine.accelerate_engine import AccelerateEngine
+    from scaletrain.engine import build_engine
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ScaletrainError, match=r"DEEPSPEED.*engine.accelerate is 'ddp'"):
-        AccelerateEngine(cfg_with("engine.backend=accelerate"))
+        build_engine(cfg_with("engine.backend=accelerate"))
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs" / "zero3.json"))
     with pytest.raises(ScaletrainError, match=r"deepspeed_config_file .*zero3.json but engine.ds_config is .*zero1.json"):
-        AccelerateEngine(cfg_with("engine.backend=accelerate", "engine.accelerate=deepspeed", "engine.ds_config=zero1.json"))
+        build_engine(cfg_with("engine.backend=accelerate", "engine.accelerate=deepspeed", "engine.ds_config=zero1.json"))
 
 
 def _tiny_model(cfg):

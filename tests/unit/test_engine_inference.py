@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from scaletrain.engine.base import Engine, StepInfo
-from scaletrain.engine.deepspeed_driver import is_partitioned
+from helpers import local_engine
+from scaletrain.config import load_config
+from scaletrain.engine.deepspeed_backend import is_partitioned
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.vocab import ByteVocab
 
@@ -13,43 +14,11 @@ CFG = ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn
                   dropout=0.0)
 
 
-class FakeEngine(Engine):
-    """A world of one whose ``partitioned()`` answer the test chooses."""
-
-    def __init__(self, model, partitioned):
-        self._m, self._p = model, partitioned
-
-    def setup(self, model):
-        self._m = model
-
-    @property
-    def module(self):
-        return self._m
-
-    def train(self, mode=True):
-        self._m.train(mode)
-
-    def forward(self, src, tgt_in, src_padded=True):
-        return self._m(src, tgt_in, src_padded=src_padded)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        return StepInfo(0.0, 0.0)
-
-    @property
-    def lr(self):
-        return 0.0
-
-    def save(self, ckpt_dir, tag):
-        pass
-
-    def load(self, ckpt_dir, tag):
-        pass
-
-    def partitioned(self):
-        return self._p
+def FakeEngine(model, partitioned):
+    """The real Engine, world of one, over a backend whose ``partitioned()`` answer the test chooses."""
+    eng = local_engine(load_config("small", ["engine.compile=false"]), partitioned=partitioned)
+    eng.setup(model)
+    return eng
 
 
 def _model():

@@ -1,4 +1,4 @@
-"""The one training loop against the Engine interface, in-process with a minimal engine (fast).
+"""The one training loop against the Engine, in-process over a minimal backend (fast).
 
 fp16 overflow steps are GPU-only in practice; here an engine reports some updates as skipped (as
 DeepSpeed's dynamic loss scaler does) and the loop must count them in the log, the metrics and the
@@ -11,10 +11,9 @@ import logging
 
 import torch
 
-from helpers import tiny_model
+from helpers import local_backend_class, tiny_model
 from scaletrain.config import load_config
-from scaletrain.engine.base import Engine, StepInfo
-from scaletrain.engine.optim import build_optimizer, build_scheduler
+from scaletrain.engine import Engine
 
 TINY = [*tiny_model(), "data.max_bytes=40", "data.max_tokens=600", "train.log_every=2",
         "train.valid_every=0", "train.valid_max_batches=1", "train.save_every=0", "tracking.enabled=false",
@@ -22,49 +21,15 @@ TINY = [*tiny_model(), "data.max_bytes=40", "data.max_tokens=600", "train.log_ev
 
 
 class SkippingEngine(Engine):
-    """World of one; updates listed in ``skip`` are dropped like an fp16 overflow (no update, no LR step)."""
+    """The real Engine, world of one, over a backend that drops the updates listed in ``skip`` like an fp16
+    overflow (no update, no LR step)."""
 
     def __init__(self, cfg, skip=(2, 3)):
-        self.cfg, self.skip, self.updates = cfg, set(skip), 0
-
-    def setup(self, model):
-        self._m = model
-        self.opt = build_optimizer(model, self.cfg)
-        self.sched = build_scheduler(self.opt, self.cfg)
+        super().__init__(cfg, local_backend_class()(skip=skip))
 
     @property
-    def module(self):
-        return self._m
-
-    def train(self, mode=True):
-        self._m.train(mode)
-
-    def forward(self, src, tgt_in, src_padded=True):
-        return self._m(src, tgt_in, src_padded=src_padded)
-
-    def backward(self, loss):
-        (loss / self.cfg.engine.grad_accum).backward()
-
-    def step(self):
-        self.updates += 1
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in self._m.parameters() if p.grad is not None]))
-        skipped = self.updates in self.skip
-        if not skipped:
-            self.opt.step()
-            self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        return StepInfo(grad_norm=norm, lr=self.lr, skipped=skipped)
-
-    @property
-    def lr(self):
-        return self.opt.param_groups[0]["lr"]
-
-    def save(self, ckpt_dir, tag):
-        (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-        torch.save(self._m.state_dict(), ckpt_dir / tag / "model.pt")
-
-    def load(self, ckpt_dir, tag):
-        self._m.load_state_dict(torch.load(ckpt_dir / tag / "model.pt"))
+    def updates(self) -> int:
+        return self.backend.updates
 
 
 def test_skipped_updates_are_counted_in_log_metrics_and_checkpoint(django_shards, tmp_path, caplog):
@@ -86,7 +51,7 @@ def test_skipped_updates_are_counted_in_log_metrics_and_checkpoint(django_shards
     state = json.loads((tmp_path / "checkpoints" / "step-0000006" / "trainer_state.json").read_text())
     assert state["skipped_steps"] == 2
     # 4 real updates happened (the LR schedule advanced 4 times, not 6)
-    assert trainer.engine.sched.last_epoch == 4
+    assert trainer.engine.schedule.applied == 4
     assert any(not torch.equal(before[k], v) for k, v in trainer.engine.module.state_dict().items())
 
 

@@ -64,28 +64,27 @@ def test_deepspeed_loss_scale_reads_the_optimizers_current_scale():
     optimizers' ``cur_scale``; None when fp16 is off."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
 
-    from scaletrain.engine.deepspeed_driver import DeepSpeedDriver
-    from scaletrain.parallel import ParallelContext
+    from scaletrain.engine.deepspeed_backend import DeepSpeedBackend
 
-    def driver(fp16, optimizer):
-        e = SimpleNamespace(fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: False,
-                            zero_optimization=lambda: True, zero_optimization_stage=lambda: 1,
-                            optimizer=optimizer, module=torch.nn.Linear(2, 2))
-        return DeepSpeedDriver(e, ParallelContext.single())
+    def backend(fp16, optimizer):
+        b = DeepSpeedBackend()
+        b.e = SimpleNamespace(fp16_enabled=lambda: fp16, optimizer=optimizer)
+        return b
 
     scaler = LossScaleConfig(torch.float16, dynamic_loss_scale=True, static_loss_scale=1.0, dynamic_loss_args=None,
                              initial_dynamic_scale=2.0**12)
-    assert driver(True, SimpleNamespace(loss_scale_config=scaler)).loss_scale() == 4096.0
-    assert driver(True, SimpleNamespace(cur_scale=256.0)).loss_scale() == 256.0
-    assert driver(False, SimpleNamespace(cur_scale=256.0)).loss_scale() is None
+    assert backend(True, SimpleNamespace(loss_scale_config=scaler)).loss_scale() == 4096.0
+    assert backend(True, SimpleNamespace(cur_scale=256.0)).loss_scale() == 256.0
+    assert backend(False, SimpleNamespace(cur_scale=256.0)).loss_scale() is None
 
 
 def test_accelerate_loss_scale_is_the_grad_scalers():
-    from scaletrain.engine.ddp_driver import DDPDriver
+    from scaletrain.engine.ddp_backend import DDPBackend
 
-    def driver(scaler):
-        return DDPDriver(SimpleNamespace(scaler=scaler), None, None, None, None, clip_norm=0.0, grad_accum=1,
-                         fp16_min_loss_scale=1.0)
+    def backend(scaler):
+        b = DDPBackend()
+        b.acc = SimpleNamespace(scaler=scaler)
+        return b
 
-    assert driver(torch.amp.GradScaler("cpu", init_scale=1024.0)).loss_scale() == 1024.0
-    assert driver(None).loss_scale() is None
+    assert backend(torch.amp.GradScaler("cpu", init_scale=1024.0)).loss_scale() == 1024.0
+    assert backend(None).loss_scale() is None

@@ -165,18 +165,19 @@ def test_bf16_training_step_matches_between_kernel_families():
     assert math.isfinite(out["auto"][0].sum().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
 def test_residual_dropout_is_x_plus_dropout_with_exact_scale_and_gradients(dtype):
-    x = torch.randn(256, 64).to(dtype).requires_grad_()
-    y = torch.randn(256, 64).to(dtype).requires_grad_()
+    """``autocast``: an fp32 residual stream and a bf16 branch (a Linear's output under torch.autocast)."""
+    x = torch.randn(256, 64).to(torch.float32 if dtype == "autocast" else dtype).requires_grad_()
+    y = torch.randn(256, 64).to(torch.bfloat16 if dtype == "autocast" else dtype).requires_grad_()
     torch.manual_seed(7)
     out = kernels.residual_dropout(x, y, 0.2, True)
     torch.manual_seed(7)
     keep = kernels.keep_mask(y.shape, 0.2)
     scale = 1 / (1 - round(0.2 * 2**15) / 2**15)
     ref = x.detach().float() + y.detach().float() * keep.float() * scale  # one rounding at the end
-    tol = 0 if dtype == torch.float32 else 2.0**-7 * ref.abs().max().item()
-    assert (out.detach().float() - ref).abs().max().item() <= tol + 1e-6
+    tol = 2.0**-7 * ref.abs().max().item() if dtype == torch.bfloat16 else 0
+    assert out.dtype == x.dtype and (out.detach().float() - ref).abs().max().item() <= tol + 1e-6
     out.float().sum().backward()
     assert torch.equal(x.grad.float(), torch.ones(256, 64))
     assert torch.allclose(y.grad.float(), keep.float() * scale, rtol=2**-7)

@@ -66,7 +66,7 @@ def test_deepspeed_plain_data_types_are_allowed(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    import scaletrain.engine.deepspeed_driver  # noqa: F401  (registers DeepSpeed's checkpoint types)
+    import scaletrain.checkpoint.deepspeed_files  # noqa: F401  (registers DeepSpeed's checkpoint types)
 
     f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients}, f)
@@ -84,22 +84,12 @@ def test_truncated_file_is_named(tmp_path):
 
 
 def test_rank_file_of_an_older_scaletrain_is_a_clear_error(tmp_path):
-    from scaletrain.checkpoint import CheckpointManager
+    from helpers import engine_holding
+    from scaletrain.checkpoint import CheckpointContents, CheckpointManager
 
-    class One:
-        rank, world_size, is_main = 0, 1, True
-
-        def barrier(self):
-            pass
-
-        def save(self, root, tag):
-            (root / tag).mkdir(parents=True, exist_ok=True)
-
-        def load(self, root, tag):
-            pass
-
-    mgr = CheckpointManager(tmp_path, One(), keep_last=2)
-    mgr.save(1, {"step": 1, "tokens_seen": 0, "examples_seen": 0, "world_size": 1}, {"stream": {}}, "", ["de"])
+    mgr = CheckpointManager(tmp_path, engine_holding(torch.nn.Linear(2, 2)), keep_last=2)
+    mgr.save(1, CheckpointContents({"step": 1, "tokens_seen": 0, "examples_seen": 0, "world_size": 1}, {"stream": {}},
+                                   "", ["de"]))
     rank_file = mgr.root / "step-0000001" / "rank00000.pt"
     # the old format: python's state tuple and numpy's tuple holding an ndarray
     old = {"stream": {}, "rng": {"python": list(random.getstate()), "numpy": [], "torch": torch.get_rng_state()}}

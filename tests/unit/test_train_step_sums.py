@@ -11,10 +11,14 @@ from scaletrain.train.unit import StopVote, train_step
 
 
 class FakeEngine:
-    world_size, device = 1, torch.device("cpu")
+    world_size, dp_size, device = 1, 1, torch.device("cpu")
 
     def __init__(self):
         self.backward_losses, self.steps = [], 0
+
+    @property
+    def parallel(self):  # the collectives of its parallel context
+        return self
 
     def all_reduce_sum(self, values):
         return [float(v) for v in values]

@@ -1,13 +1,11 @@
 """``scaletrain export --format safetensors``: a checkpoint as one file that scaletrain loads back.
 
 :func:`export_checkpoint` consolidates any engine's checkpoint (ZeRO-3 shards and expert shards
-included) into one safetensors file that loads with ``safetensors`` + ``build_model`` alone; the
-resolved config, the languages, the step and (subword models) the tokenizer record ride in its
-metadata. Its reader is :func:`scaletrain.checkpoint.inference.load_exported`, which ``evaluate`` and
-``translate`` reach through ``load_for_inference``. It lives in this package, not in
-``scaletrain.export`` (the formats other tools read: Marian, CTranslate2), because it is scaletrain's
-own checkpoint format, written and read back here, and shares :func:`save_safetensors` and
-:data:`DTYPES` with ``average``.
+included, read by ``scaletrain.checkpoint.load_model_weights``) into one safetensors file that loads with
+``safetensors`` + ``build_model`` alone; the resolved config, the languages, the step and (subword models)
+the tokenizer record ride in its metadata. Its reader is
+:func:`scaletrain.checkpoint.inference.load_exported`, which ``evaluate`` and ``translate`` reach through
+``load_for_inference``: what is read back stays with the checkpoint package, the exports are here.
 """
 from __future__ import annotations
 
@@ -17,28 +15,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from scaletrain.checkpoint.inference import load_model_weights, resolve_checkpoint
-from scaletrain.checkpoint.manager import VOCAB_FILE
+from scaletrain.checkpoint import VOCAB_FILE, load_model_weights, resolve_checkpoint, save_safetensors
 from scaletrain.errors import ScaletrainError
-from scaletrain.fileio import default_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # export --dtype
-
-
-def save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write ``sd`` to ``path`` under a temporary name and rename it (mode as ``open()`` gives); a failure
-    (out of memory, a full disk) removes the temporary file and leaves ``path`` as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        # contiguous, unshared copies: safetensors refuses tensors that share storage
-        save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp), metadata=metadata)
-        default_mode(tmp)  # safetensors creates it 0600
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
