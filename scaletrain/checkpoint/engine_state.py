@@ -18,15 +18,11 @@ A checkpoint written before ``engine.json`` existed keeps its schedule position 
 (``scheduler.bin``, ``scheduler.pt``, DeepSpeed's ``lr_scheduler`` entry): :func:`saved_schedule` reads it.
 Every file is read weights-only (``scaletrain.safeload``).
 
-What a resume at another layout (world size, ZeRO stage, ``moe.ep_size``) builds on: ``engine.json`` says
-the layout a checkpoint was written with (:func:`saved_layout`); the model is already layout-free on disk
-(``model.safetensors`` holds whole parameters under their names, DeepSpeed's files are consolidated by
-``deepspeed_files.consolidated_weights``, expert shards by ``experts.merge_expert_shards`` and cut to any
-ep_size by ``experts.expert_checkpoint_load``); so is the optimizer where the engine keeps whole parameters
-(Accelerate DDP, DeepSpeed ZeRO-0: torch's optimizer state dict, expert moments in the shards). What is not
-yet: the optimizer state DeepSpeed partitions at ZeRO-1/2/3 (each rank's ``zero_pp_rank_*`` file holds its
-flat partition), which a resume at another layout would read through DeepSpeed's universal checkpoint
-format; a resume today checks the world size (``manager.py``) and refuses another ep_size under ZeRO-1/2.
+A resume at another layout (world size, ZeRO stage, engine, ``moe.ep_size``, precision): ``engine.json`` says
+the layout a checkpoint was written with (:func:`saved_layout`). Where the optimizer held whole parameters
+on both sides with the same library (ZeRO-0, Accelerate DDP) the files above load as they are at any world
+size, expert shards resharded for another ``moe.ep_size`` (``experts.py``); any other change goes through
+the whole state of ``reshard.py`` (ZeRO-1/2/3 partitions joined, handed to the new layout).
 """
 from __future__ import annotations
 
@@ -38,12 +34,14 @@ import torch
 
 from scaletrain.checkpoint.deepspeed_files import load_native, model_states_file
 from scaletrain.checkpoint.experts import expert_checkpoint_load, save_expert_shard
+from scaletrain.checkpoint.reshard import native_path_holds, resume_at_layout
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode
 from scaletrain.parallel.state import owned_params
 from scaletrain.safeload import safe_torch_load
 
 ENGINE_FILE = "engine.json"  # layout and LR schedule position (rank 0)
+LAYOUT_KEYS = ("backend", "zero_stage", "world_size", "ep_size", "precision")  # Engine.layout()
 MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE = "model.safetensors", "optimizer.bin", "scaler.pt"
 
 
@@ -86,6 +84,13 @@ def load_engine_state(engine, ckpt: Path) -> None:
     """Put ``engine`` back in the state ``ckpt`` holds (every rank). Expert shards: this rank's, or every
     shard resharded for another ``moe.ep_size`` where the engine keeps whole parameters (not ZeRO-1/2)."""
     ckpt = Path(ckpt)
+    record = saved_layout(ckpt)
+    if record is not None:  # another layout: through the whole state (reshard.py)
+        saved = {k: record.get(k) for k in LAYOUT_KEYS}
+        if not native_path_holds(saved, engine.layout()):
+            resume_at_layout(engine, ckpt, saved)
+            engine.schedule.load_state_dict(record["schedule"])
+            return
     _check_written_by(engine, ckpt)
     schedule = saved_schedule(ckpt)
     if schedule is None:

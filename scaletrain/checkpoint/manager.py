@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.checkpoint.engine_state import load_engine_state, save_engine_state
+from scaletrain.checkpoint.engine_state import load_engine_state, save_engine_state, saved_layout
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode, sha256_file
 from scaletrain.oom import OutOfMemory, is_oom, memory_summary
@@ -320,28 +320,50 @@ class CheckpointManager:
     def latest(self) -> str | None:
         return latest_tag(self.root)
 
-    def load(self, tag: str) -> tuple[dict, dict]:
-        """Restore engine state; return (trainer_state, this rank's state). Sets RNG states."""
+    def load(self, tag: str) -> "Loaded":
+        """Restore the engine's state from checkpoint ``tag`` at this run's layout (``engine_state.py``; another
+        world size, ZeRO stage or engine through ``reshard.py``). Returns the trainer state and the rank
+        states: at the world size it was written with, this rank's (its RNG states set); at another, every
+        old rank's, in rank order (the caller moves the data position to the new layout and re-derives the
+        RNG streams: the old ranks' streams belong to ranks that no longer exist)."""
         d = self.root / tag
         trainer_state = json.loads((d / "trainer_state.json").read_text())
-        saved_world = trainer_state.get("world_size")
-        if saved_world != self.engine.world_size:
+        saved_world, eng = int(trainer_state.get("world_size") or 0), self.engine
+        if saved_world != eng.world_size and saved_layout(d) is None:
             raise ScaletrainError(
-                f"checkpoint {d} was written by {saved_world} ranks but this run has {self.engine.world_size}; "
-                "exact resume needs the same world size (start a new out_dir, or relaunch with the old rank count)"
-            )
-        load_engine_state(self.engine, d)
-        rank_file = d / f"rank{self.engine.rank:05d}.pt"
+                f"checkpoint {d} was written by {saved_world} ranks but this run has {eng.world_size}, before "
+                "checkpoints recorded their layout (engine.json): relaunch with the old rank count to resume it")
+        load_engine_state(eng, d)
+        if saved_world == eng.world_size:
+            rank_state = self._rank_state(d, eng.rank)
+            set_rng_state(rank_state.pop("rng"))
+            return Loaded(trainer_state, [rank_state], True)
+        states = [self._rank_state(d, r) for r in range(saved_world)]
+        for st in states:
+            st.pop("rng")
+        return Loaded(trainer_state, states, False)
+
+    @staticmethod
+    def _rank_state(d: Path, rank: int) -> dict:
+        rank_file = d / f"rank{rank:05d}.pt"
         rank_state = safe_torch_load(rank_file)
-        rng = rank_state.pop("rng", None) if isinstance(rank_state, dict) else None
+        rng = rank_state.get("rng", None) if isinstance(rank_state, dict) else None
         if not isinstance(rng, dict) or not isinstance(rng.get("python"), dict):
             raise ScaletrainError(
                 f"{rank_file}: not a rank state of this scaletrain (RNG states must be tensors and plain types; "
                 "checkpoints written before safe loading cannot be resumed: start a new train.out_dir, or "
                 "evaluate/average/export it, which do not read this file)"
             )
-        set_rng_state(rng)
-        return trainer_state, rank_state
+        return rank_state
+
+
+@dataclass
+class Loaded:
+    """What :meth:`CheckpointManager.load` gives back besides the engine's state."""
+
+    trainer_state: dict
+    rank_states: list  # this rank's (same_world) or every old rank's, in rank order
+    same_world: bool
 
 
 VOCAB_FILE = "vocab.json"  # absent = byte vocabulary (checkpoints from before subword support too)

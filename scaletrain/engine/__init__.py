@@ -16,7 +16,7 @@ before launch) also reads the config, the data manifest and the tracking store. 
 """
 from __future__ import annotations
 
-from scaletrain.engine.engine import Backend, Engine, StepInfo
+from scaletrain.engine.engine import Backend, Engine, StepInfo, WholeState
 
 
 def build_engine(cfg) -> Engine:
@@ -36,4 +36,4 @@ def build_engine(cfg) -> Engine:
     raise ValueError(cfg.engine.backend)
 
 
-__all__ = ["Backend", "Engine", "StepInfo", "build_engine"]
+__all__ = ["Backend", "Engine", "StepInfo", "WholeState", "build_engine"]

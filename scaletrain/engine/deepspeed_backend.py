@@ -25,7 +25,7 @@ import torch
 
 import scaletrain.engine.deepspeed_internals as dsi
 from scaletrain.engine.ds_config import runtime_ds_config, zero_stage
-from scaletrain.engine.engine import Backend, min_loss_scale_error
+from scaletrain.engine.engine import MOMENTS, Backend, WholeState, init_adam_state, min_loss_scale_error
 from scaletrain.engine.env import (check_accelerate_launch, collective_timeout, configure_threads, ensure_dist_env,
                                   start_accelerator)
 from scaletrain.engine.experts import expert_setup
@@ -172,6 +172,46 @@ class DeepSpeedBackend(Backend):
             keys = set(mod.state_dict(keep_vars=True))
             named = dict(mod.named_parameters()) | dict(mod.named_buffers())
             return {k: v.detach().float().cpu().clone() for k, v in named.items() if k in keys}
+
+    # ---- whole state at any layout (scaletrain.checkpoint.reshard): DeepSpeed's public tensor-fragment API ----
+    def whole_state(self, optimizer, named):
+        """ZeRO-1/2/3: each parameter's fp32 master weight and moments gathered whole
+        (``deepspeed.utils.safe_get_full_*``; collective under ZeRO-3); ZeRO-0 holds them whole already."""
+        if not self.e.zero_optimization():
+            return super().whole_state(optimizer, named)
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        masters, moments = {}, {}
+        for name, p in named.items():
+            masters[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            moments[name] = {k: safe_get_full_optimizer_state(p, k).detach().float().cpu().clone() for k in MOMENTS}
+        steps = {int(optimizer.state[p]["step"]) for p in dsi.optimizer_partitions(self.e)
+                 if "step" in optimizer.state.get(p, {})}
+        return WholeState(masters, moments, max(steps) if steps else None)
+
+    def load_module(self, module, weights) -> None:
+        if not self.partitioned():
+            return super().load_module(module, weights)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):  # rank 0's copy kept
+            with torch.no_grad():
+                module.load_state_dict(weights, strict=True)
+
+    def load_whole(self, optimizer, named, whole) -> None:
+        """ZeRO-1/2/3: each rank keeps its slice of every whole tensor (``safe_set_full_*``: the fp32 master
+        weight, the moments); AdamW's step count into every partition's state."""
+        if not self.e.zero_optimization():
+            return super().load_whole(optimizer, named, whole)
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        # on the flat partitions the optimizer steps; before the first update there is none
+        init_adam_state(optimizer, whole.step, dsi.optimizer_partitions(self.e))
+        dsi.link_optimizer_state(self.e)
+        for name, p in named.items():
+            safe_set_full_fp32_param(p, whole.masters[name].float())
+            for k, v in (whole.moments.get(name) or {}).items():
+                safe_set_full_optimizer_state(p, v.float(), k)
 
     def save_native(self, path: Path) -> None:
         """DeepSpeed's files (module from rank 0, each rank's ZeRO optimizer partition) under ``path``."""

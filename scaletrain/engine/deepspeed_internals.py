@@ -43,6 +43,12 @@ this list):
    one, at every start with an empty extensions cache. :func:`init_distributed` also removes the
    shared-memory segments DeepSpeed's CPU backend names ``/dev/shm/deepspeed_allreduce_buffer_<uid>_
    <MASTER_ADDR>_<MASTER_PORT>_<rank>`` and never unlinks (each run left 66 MB per rank in RAM).
+6. A state loaded at another layout (:func:`link_optimizer_state`; ``scaletrain.checkpoint.reshard``): the
+   public ``deepspeed.utils.safe_set_full_optimizer_state`` writes through each parameter's ``_hp_mapping``,
+   whose links to the optimizer's state DeepSpeed ZeRO-1/2 makes only after its first update
+   (``DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state``); a load before any update calls it once
+   the state exists. ZeRO-3 steps our AdamW on its flat fp32 partitions (``fp32_partitioned_groups_flat``),
+   swapped into the groups only for the step (:func:`optimizer_partitions`).
 """
 from __future__ import annotations
 
@@ -244,3 +250,22 @@ def init_distributed(backend: str, timeout=None) -> None:
         os.unlink(os.path.join("/dev/shm", name))
     except FileNotFoundError:  # not all ranks local, or another DeepSpeed build
         pass
+
+
+# ---- 6. a state loaded at another layout ------------------------------------------------------------------
+def link_optimizer_state(ds_engine) -> None:
+    """ZeRO-1/2: link each parameter's fragment to the optimizer's (now present) state, as DeepSpeed does after
+    its first update, so that ``safe_set_full_optimizer_state`` can write it. ZeRO-3 reads the state directly."""
+    opt = ds_engine.optimizer
+    link = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None and ds_engine.zero_optimization_stage() in (1, 2):
+        opt._hp_optimizer_states_linked = False
+        link()
+
+
+def optimizer_partitions(ds_engine) -> list:
+    """The flat fp32 tensors our AdamW steps under ZeRO 1-3 (its state is keyed on them)."""
+    opt = ds_engine.optimizer
+    if ds_engine.zero_optimization_stage() == 3:
+        return list(opt.fp32_partitioned_groups_flat)
+    return [p for g in opt.optimizer.param_groups for p in g["params"]]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +32,7 @@ import torch
 
 from scaletrain.engine.device_skip import can_skip_on_device, clip_, grad_norm, nonfinite_flag, withheld_if
 from scaletrain.engine.model_prep import cudagraph_step_begin, prepare_model, uses_cudagraphs
-from scaletrain.engine.optim import UpdateSchedule
+from scaletrain.engine.optim import UpdateSchedule, param_groups
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel import ParallelContext, ParallelDims
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -138,6 +139,46 @@ def min_loss_scale_error(scale: float) -> ScaletrainError:
         "last checkpoint")
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, besides its step count
+
+
+@dataclass
+class WholeState:
+    """An optimizer's state with every tensor whole, by parameter name: what a checkpoint written at one
+    layout hands an engine at another (``scaletrain.checkpoint.reshard``). ``masters``: fp32 master weights
+    where the optimizer keeps its own copy (DeepSpeed's ZeRO-1/2/3; empty where the module's weights are the
+    masters); ``moments``: name -> {"exp_avg": t, "exp_avg_sq": t}; ``step``: AdamW's update count (its
+    bias correction), None before the first update."""
+
+    masters: dict
+    moments: dict
+    step: int | None
+
+
+def step_like(old, step: int | None, p: torch.Tensor, group: dict):
+    """AdamW's ``step`` entry for ``step`` updates: the kind ``old`` is (tensor, dtype, device), else the kind
+    torch's AdamW makes for ``p`` in ``group`` (on the parameter's device where fused or capturable)."""
+    n = float(step or 0)
+    if torch.is_tensor(old):
+        return torch.full_like(old, n)
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(n, dtype=torch.float32, device=p.device if on_device else "cpu")
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer, step: int | None, params: list | None = None) -> None:
+    """AdamW's state present for every parameter it steps (``params``: those, where a library swaps them into
+    the groups only for the step: ZeRO-3's flat partitions), zero moments where none exist yet (before the
+    first update), with ``step`` as the update count."""
+    pairs = ([(p, g) for g in optimizer.param_groups for p in g["params"]] if params is None
+             else [(p, optimizer.param_groups[0]) for p in params])
+    for p, g in pairs:
+        st = optimizer.state[p]
+        for k in MOMENTS:
+            if k not in st:
+                st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["step"] = step_like(st.get("step"), step, p, g)
+
+
 class Backend(ABC):
     """What one library does for the :class:`Engine`; everything else is the engine's.
 
@@ -220,11 +261,37 @@ class Backend(ABC):
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def whole_state(self, optimizer, named: dict[str, torch.nn.Parameter]) -> WholeState:
+        """This rank's optimizer state made whole, by parameter name (``named``: the module's trainable
+        parameters in the optimizer's order). Plain torch optimizers (Accelerate DDP, DeepSpeed ZeRO-0) hold
+        whole parameters already; the ZeRO optimizers override (collective there)."""
+        state, masters, moments, step = optimizer.state, {}, {}, None
+        for name, p in named.items():
+            st = state.get(p, {})
+            moments[name] = {k: v.detach().float().cpu().clone() for k, v in st.items() if k in MOMENTS}
+            if "step" in st:
+                step = int(st["step"])
+        return WholeState(masters, moments, step)
+
+    def load_whole(self, optimizer, named: dict[str, torch.nn.Parameter], whole: WholeState) -> None:
+        """Put ``whole`` (every tensor whole, by name) into this layout's optimizer; the module's weights are
+        already loaded. The default: torch's optimizer state on whole parameters."""
+        init_adam_state(optimizer, whole.step)
+        for name, p in named.items():
+            st = optimizer.state[p]
+            for k, v in (whole.moments.get(name) or {}).items():
+                st[k].copy_(v.reshape(p.shape))
+
     def save_native(self, path: Path) -> None:
         raise NotImplementedError(f"{type(self).__name__} writes no checkpoint files of its own")
 
     def load_native(self, path: Path) -> None:
         raise NotImplementedError(f"{type(self).__name__} reads no checkpoint files of its own")
+
+    def load_module(self, module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Whole weights into the module (every rank; copied into its own dtype and device)."""
+        with torch.no_grad():
+            module.load_state_dict(weights, strict=True)
 
 
 class Engine:
@@ -446,6 +513,26 @@ class Engine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.backend.load_state_dict(state)
         self.schedule.install()  # the optimizer's groups were replaced
+
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        """The module's trainable parameters by name, in the optimizer's order (``optim.param_groups``)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return {names[id(p)]: p for g in param_groups(self.module) for p in g["params"]}
+
+    def whole_state(self) -> WholeState:
+        """The optimizer's state made whole, by parameter name, on every rank (collective under ZeRO-3)."""
+        return self.backend.whole_state(self.optimizer, self.trainable())
+
+    def load_whole(self, model: dict[str, torch.Tensor], whole: WholeState) -> None:
+        """Load a checkpoint written at another layout: ``model`` the whole module state dict (fp32), ``whole``
+        the optimizer's state by parameter name (``scaletrain.checkpoint.reshard`` reads both from any
+        layout's files). Every rank calls it with the same values; each keeps its part."""
+        masters = whole.masters or {}
+        weights = {k: masters.get(k, v) for k, v in model.items()}  # fp32 masters over 16-bit module weights
+        self.backend.load_module(self.module, weights)
+        self.backend.load_whole(self.optimizer, self.trainable(), WholeState(
+            {k: weights[k] for k in self.trainable() if k in weights}, whole.moments, whole.step))
+        self.schedule.install()
 
     def save_native(self, path: Path) -> None:
         """The library's own checkpoint files under ``path`` (collective)."""

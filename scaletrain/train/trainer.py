@@ -23,6 +23,7 @@ import torch
 from scaletrain.checkpoint import CheckpointContents, CheckpointManager
 from scaletrain.config import Config, dump_yaml
 from scaletrain.data.loader import ShardLoader, auto_num_workers
+from scaletrain.data.position import states_for_layout
 from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import run_source
 from scaletrain.data.spm_models import load_shard_vocab
@@ -59,6 +60,11 @@ class TrainResult:
     out_dir: str
     final_checkpoint: str
     preempted: bool = False  # stopped by SIGTERM/SIGUSR1/SIGINT after writing final_checkpoint
+
+
+def rederived_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of ``rank`` after a resume at another world size at ``step`` (deterministic)."""
+    return (seed * 1_000_003 + step * 8_191 + rank) % 2**63
 
 
 def seed_everything(seed: int) -> None:
@@ -290,13 +296,25 @@ class Trainer:
         tag = self.ckpt.resume_tag(self.cfg.train.on_corrupt_checkpoint)  # verified against its index.json
         if tag is None:
             return
-        trainer_state, rank_state = self.ckpt.load(tag)
-        self.state.load_state_dict(trainer_state)
+        loaded = self.ckpt.load(tag)
+        self.state.load_state_dict(loaded.trainer_state)
         self.stopper.restore()
-        self.stream.load_state_dict(rank_state["stream"])
+        eng, old_world = self.engine, len(loaded.rank_states)
+        if loaded.same_world:
+            self.stream.load_state_dict(loaded.rank_states[0]["stream"])
+        else:  # another layout: the same global batches where the slot count holds (data/position.py)
+            dp = eng.parallel
+            streams = states_for_layout([s["stream"] for s in loaded.rank_states], dp.dp_size,
+                                        self.cfg.engine.grad_accum)
+            self.stream.load_state_dict(streams[dp.dp_rank])
+            seed_everything(rederived_seed(self.cfg.train.seed, self.state.step, eng.rank))
         self.recorder.resumed_at(self.state.step)
-        if self.engine.is_main:
+        if eng.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
+            if not loaded.same_world:
+                log.info("the checkpoint was written by %d rank(s), this run has %d: weights, optimizer state and LR "
+                         "schedule carried; each rank's RNG streams re-derived from train.seed, the step and the "
+                         "rank (the old ranks' streams cannot be split)", old_world, eng.world_size)
 
     def _baseline(self) -> float:
         cfg, eng = self.cfg, self.engine

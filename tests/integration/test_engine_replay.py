@@ -170,6 +170,10 @@ def run_job(out: Path, shards: str, job: dict) -> None:
         "seen": getattr(stream, "seen", None),
     }
     torch.save(params, d / f"params_rank{eng.rank}.pt")
+    if job.get("whole"):  # the optimizer's state made whole, by name (resume at another layout)
+        w = eng.whole_state()
+        torch.save({"masters": w.masters or {k: params[k] for k in eng.trainable()}, "moments": w.moments,
+                    "step": w.step}, d / f"whole_rank{eng.rank}.pt")
     (d / f"result_rank{eng.rank}.json").write_text(json.dumps(result))
     eng.parallel.barrier()
 

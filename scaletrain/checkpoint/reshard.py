@@ -1,0 +1,229 @@
+"""A checkpoint resumed at another layout: another world size, ZeRO stage or engine.
+
+A checkpoint records the layout it was written with (``engine.json``: backend, ZeRO stage, world size,
+``moe.ep_size``, precision). At the same layout the engine's own files are loaded as they are (bit-identical
+resume). At another one, :func:`read_whole` makes the checkpoint's state whole, by parameter name:
+
+* the model: :func:`scaletrain.checkpoint.inference.load_model_weights` (any engine's files, ZeRO shards
+  consolidated by DeepSpeed's ``zero_to_fp32``);
+* fp32 master weights and AdamW's moments and step count: from torch's optimizer state dict where the
+  optimizer held whole parameters (Accelerate DDP's ``optimizer.bin``, DeepSpeed ZeRO-0's
+  ``mp_rank_00_model_states.pt``), or from every rank's ZeRO partition file (ZeRO-1/2: each parameter's
+  fragments located by DeepSpeed's own ``param_slice_mappings``; ZeRO-3: each parameter's equal slices,
+  in ``param_shapes`` order, as ``zero_to_fp32`` lays them out);
+
+and ``Engine.load_whole`` hands it to the new layout: torch's optimizer state on whole parameters, or
+DeepSpeed's public tensor-fragment API (``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``)
+that cuts each whole tensor to the rank's ZeRO-1/2/3 partition.
+
+Why not DeepSpeed's universal checkpoint (``ds_to_universal.py`` + ``load_universal``): its non-universal
+load refuses any change of the data-parallel size with optimizer state ("Automatic adjustment of ZeRO's
+optimizer state partitioning with a new world size is not currently supported"); the universal path needs an
+offline conversion and ``universal_checkpoint_info`` that only Megatron writes, and Accelerate's DDP has no
+such path at all. The whole state here is what every layout can take, for either engine, and it is small
+for the models scaletrain trains (three fp32 copies of the parameters in host memory during the load).
+
+What is not carried across layouts: per-rank RNG streams (re-derived from ``train.seed``, the step and the
+new rank: ``manager.py``) and fp16's dynamic loss scale under DeepSpeed (it restarts at its initial scale).
+Expert parallelism: a change of ``moe.ep_size`` and of the world size both go through the expert shard
+files, where the optimizer holds whole parameters (Accelerate DDP, DeepSpeed ZeRO-0); with DeepSpeed's
+ZeRO-1/2 MoE path on either side a layout change is refused in one line.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from scaletrain.checkpoint.deepspeed_files import model_states_file
+from scaletrain.errors import ScaletrainError
+from scaletrain.safeload import safe_torch_load
+
+log = logging.getLogger("scaletrain")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_FILE = "optimizer.bin"
+
+
+def layout_changes(saved: dict, now: dict) -> list[str]:
+    """The layout keys that differ between a checkpoint's ``engine.json`` record and this run's layout, as
+    ``key a -> b`` (precision included)."""
+    keys = ("backend", "zero_stage", "world_size", "ep_size", "precision")
+    return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
+
+
+def _zero_files(ckpt: Path) -> list[Path]:
+    files = sorted(ckpt.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda f: int(f.name.split("zero_pp_rank_")[1].split("_")[0]))
+    return files
+
+
+def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torch.Size]):
+    """``(model, WholeState)`` of checkpoint ``ckpt`` (written at layout ``saved``): the whole fp32 module
+    state dict and the optimizer's state by parameter name. ``names``: the trainable parameters in the
+    optimizer's order (the same function builds it at every layout); ``shapes``: their whole shapes."""
+    from scaletrain.checkpoint.inference import load_model_weights
+    from scaletrain.engine import WholeState
+
+    ckpt = Path(ckpt)
+    model = load_model_weights(ckpt, quiet=True)
+    missing = [n for n in names if n not in model]
+    if missing:
+        raise ScaletrainError(f"{ckpt}: its model lacks {missing[:5]} of this run's parameters; resume with the "
+                              "model the checkpoint was trained with")
+    stage = int(saved.get("zero_stage") or 0)
+    if stage == 0:
+        masters, moments, step = {}, *_torch_optimizer_state(ckpt, names)
+    elif stage in (1, 2):
+        masters, moments, step = _zero12_state(ckpt, names, shapes)
+    else:
+        masters, moments, step = _zero3_state(ckpt, names, shapes)
+    return model, WholeState(masters, moments, step)
+
+
+def _torch_optimizer_state(ckpt: Path, names: list[str]):
+    """torch's optimizer state dict on whole parameters (``optimizer.bin``, or DeepSpeed ZeRO-0's model states):
+    its parameters are numbered in the optimizer's order, which ``names`` gives."""
+    if (ckpt / OPTIMIZER_FILE).is_file():
+        f = ckpt / OPTIMIZER_FILE
+        sd = safe_torch_load(f)
+    else:
+        f = model_states_file(ckpt)
+        if f is None:
+            raise ScaletrainError(f"{ckpt}: neither {OPTIMIZER_FILE} nor DeepSpeed's model states; not a checkpoint "
+                                  "this scaletrain writes")
+        sd = safe_torch_load(f).get("optimizer")
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ScaletrainError(f"{f}: no torch optimizer state in it (a ZeRO-0 16-bit checkpoint of DeepSpeed's "
+                              "unfused optimizer?); resume it at the layout it was written with")
+    order = [i for g in sd["param_groups"] for i in g["params"]]
+    if len(order) != len(names):
+        raise ScaletrainError(f"{f}: its optimizer holds {len(order)} parameters, this run's model {len(names)}; "
+                              "resume with the model the checkpoint was trained with")
+    moments, step = {}, None
+    for idx, name in zip(order, names):
+        st = sd["state"].get(idx, {})
+        moments[name] = {k: st[k].detach().float().cpu() for k in MOMENTS if k in st}
+        if "step" in st:
+            step = int(st["step"])
+    return moments, step
+
+
+def _load_partitions(ckpt: Path, stage: int) -> list[dict]:
+    files = _zero_files(ckpt)
+    if not files:
+        raise ScaletrainError(f"{ckpt}: a ZeRO-{stage} checkpoint without its zero_pp_rank_*_optim_states.pt files; "
+                              "use an earlier checkpoint")
+    parts = [safe_torch_load(f)["optimizer_state_dict"] for f in files]
+    count = parts[0].get("partition_count")
+    count = max(count) if isinstance(count, list) else count
+    if count != len(parts):
+        raise ScaletrainError(f"{ckpt}: {len(parts)} ZeRO partition files for a world of {count}; the checkpoint is "
+                              "incomplete: use an earlier one")
+    return parts
+
+
+def _base_state(part: dict, key: str) -> dict:
+    base = part.get(key)
+    if not isinstance(base, dict) or "state" not in base:  # DeepSpeed's elastic layout (a list per group)
+        raise ScaletrainError("a ZeRO checkpoint in DeepSpeed's elastic layout (zero_optimization.elastic_checkpoint)"
+                              "; resume it at the layout it was written with")
+    return base["state"]
+
+
+def _zero12_state(ckpt: Path, names: list[str], shapes: dict):
+    """ZeRO-1/2: rank r's flat partition of group g holds, for each parameter in ``param_slice_mappings[g]``,
+    the fragment ``[start, start + numel)``; the whole parameter is its fragments in rank order."""
+    parts = _load_partitions(ckpt, 2)
+    pieces: dict[str, dict[str, list]] = {n: {"fp32": [], **{k: [] for k in MOMENTS}} for n in names}
+    step = None
+    for part in parts:
+        base = _base_state(part, "base_optimizer_state")
+        for g, mapping in enumerate(part["param_slice_mappings"]):
+            flat = {"fp32": part["single_partition_of_fp32_groups"][g], **{k: base[g][k] for k in MOMENTS}}
+            if "step" in base[g]:
+                step = int(base[g]["step"])
+            for name, frag in mapping.items():
+                if name not in pieces:
+                    raise ScaletrainError(f"{ckpt}: its ZeRO partitions hold {name!r}, which this run's model has not"
+                                          "; resume with the model the checkpoint was trained with")
+                for k, t in flat.items():
+                    pieces[name][k].append(t.narrow(0, frag.start, frag.numel))
+    return _joined(ckpt, pieces, shapes) + (step,)
+
+
+def _zero3_state(ckpt: Path, names: list[str], shapes: dict):
+    """ZeRO-3: every parameter is cut into ``ceil(numel / world)`` elements per rank, laid one after another in
+    each rank's flat groups in the order of the model states' ``param_shapes`` (as ``zero_to_fp32`` reads them)."""
+    parts = _load_partitions(ckpt, 3)
+    world = len(parts)
+    ms = safe_torch_load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    order = [(n, torch.Size(s)) for group in ms["param_shapes"] for n, s in group.items()]
+    flats = []
+    step = None
+    for part in parts:
+        base = _base_state(part, "optimizer_state_dict")
+        groups = sorted(base)
+        for g in groups:
+            if "step" in base[g]:
+                step = int(base[g]["step"])
+        flats.append({"fp32": torch.cat([t.flatten() for t in part["fp32_flat_groups"]]),
+                      **{k: torch.cat([base[g][k].flatten() for g in groups]) for k in MOMENTS}})
+    pieces: dict[str, dict[str, list]] = {}
+    offset = 0
+    for name, shape in order:
+        n = shape.numel()
+        per = -(-n // world)
+        pieces[name] = {k: [f[k].narrow(0, offset, per) for f in flats] for k in flats[0]}
+        offset += per
+    extra = sorted(set(pieces) - set(names))
+    if extra:
+        raise ScaletrainError(f"{ckpt}: its ZeRO partitions hold {extra[:5]}, which this run's model has not; resume "
+                              "with the model the checkpoint was trained with")
+    return _joined(ckpt, {n: pieces.get(n, {}) for n in names}, shapes) + (step,)
+
+
+def _joined(ckpt: Path, pieces: dict, shapes: dict):
+    masters, moments = {}, {}
+    for name, kinds in pieces.items():
+        shape = shapes[name]
+        whole = {}
+        for k, ts in kinds.items():
+            t = torch.cat(ts) if ts else torch.empty(0)
+            if t.numel() < shape.numel():
+                raise ScaletrainError(f"{ckpt}: the ZeRO partitions hold {t.numel()} of {shape.numel()} elements of "
+                                      f"{name}; resume with the model the checkpoint was trained with")
+            whole[k] = t[: shape.numel()].reshape(shape).float().clone()
+        masters[name] = whole.pop("fp32")
+        moments[name] = whole
+    return masters, moments
+
+
+def native_path_holds(saved: dict, now: dict) -> bool:
+    """The engine's own files load at layout ``now``: the same layout, or one where only the world size,
+    ``moe.ep_size`` or precision differ while the optimizer held whole parameters on both sides (the same
+    library at ZeRO-0 or Accelerate DDP: torch's optimizer state, expert shards resharded by ``experts.py``)."""
+    if saved == {k: now.get(k) for k in saved}:
+        return True
+    return (saved.get("backend") == now.get("backend") and int(saved.get("zero_stage") or 0) == 0
+            and int(now.get("zero_stage") or 0) == 0)
+
+
+def resume_at_layout(engine, ckpt: Path, saved: dict) -> None:
+    """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state."""
+    changes = layout_changes(saved, engine.layout())
+    if engine.parallel.ep_size > 1 or int(saved.get("ep_size") or 1) > 1:
+        raise ScaletrainError(
+            f"{ckpt}: with expert parallelism a checkpoint resumes at another layout only where the optimizer holds "
+            f"whole parameters on both sides (the same engine at ZeRO-0, or Accelerate DDP), not here "
+            f"({', '.join(changes)}); relaunch with engine {saved.get('backend')}, ZeRO stage "
+            f"{saved.get('zero_stage')} (any world size and moe.ep_size there)")
+    trainable = engine.trainable()
+    shapes = {n: _whole_shape(p) for n, p in trainable.items()}
+    model, whole = read_whole(ckpt, saved, list(trainable), shapes)
+    engine.load_whole(model, whole)
+
+
+def _whole_shape(p: torch.Tensor) -> torch.Size:
+    shape = getattr(p, "ds_shape", None)  # ZeRO-3: the whole shape of a partitioned parameter
+    return torch.Size(shape) if shape is not None else p.shape
