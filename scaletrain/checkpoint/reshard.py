@@ -4,8 +4,8 @@ A checkpoint records the layout it was written with (``engine.json``: backend, Z
 ``moe.ep_size``, precision). At the same layout the engine's own files are loaded as they are (bit-identical
 resume). At another one, :func:`read_whole` makes the checkpoint's state whole, by parameter name:
 
-* the model: :func:`scaletrain.checkpoint.inference.load_model_weights` (any engine's files, ZeRO shards
-  consolidated by DeepSpeed's ``zero_to_fp32``);
+* the model: ``model.safetensors``, or DeepSpeed's files consolidated (``deepspeed_files.consolidated_weights``:
+  ZeRO shards through DeepSpeed's ``zero_to_fp32``);
 * fp32 master weights and AdamW's moments and step count: from torch's optimizer state dict where the
   optimizer held whole parameters (Accelerate DDP's ``optimizer.bin``, DeepSpeed ZeRO-0's
   ``mp_rank_00_model_states.pt``), or from every rank's ZeRO partition file (ZeRO-1/2: each parameter's
@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.deepspeed_files import model_states_file
+from scaletrain.checkpoint.deepspeed_files import consolidated_weights, model_states_file
 from scaletrain.errors import ScaletrainError
 from scaletrain.safeload import safe_torch_load
 
 log = logging.getLogger("scaletrain")
 MOMENTS = ("exp_avg", "exp_avg_sq")
-OPTIMIZER_FILE = "optimizer.bin"
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.bin"  # as engine_state.py writes them
 
 
 def layout_changes(saved: dict, now: dict) -> list[str]:
@@ -62,11 +62,10 @@ def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torc
     """``(model, WholeState)`` of checkpoint ``ckpt`` (written at layout ``saved``): the whole fp32 module
     state dict and the optimizer's state by parameter name. ``names``: the trainable parameters in the
     optimizer's order (the same function builds it at every layout); ``shapes``: their whole shapes."""
-    from scaletrain.checkpoint.inference import load_model_weights
     from scaletrain.engine import WholeState
 
     ckpt = Path(ckpt)
-    model = load_model_weights(ckpt, quiet=True)
+    model = _model_weights(ckpt)
     missing = [n for n in names if n not in model]
     if missing:
         raise ScaletrainError(f"{ckpt}: its model lacks {missing[:5]} of this run's parameters; resume with the "
@@ -79,6 +78,20 @@ def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torc
     else:
         masters, moments, step = _zero3_state(ckpt, names, shapes)
     return model, WholeState(masters, moments, step)
+
+
+def _model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole fp32 module state dict (``model.safetensors``, or DeepSpeed's files consolidated); the
+    checkpoint's files were checked against its ``index.json`` when it was chosen for the resume."""
+    if (ckpt / MODEL_FILE).is_file():
+        from safetensors.torch import load_file
+
+        return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(ckpt / MODEL_FILE)).items()}
+    sd = consolidated_weights(ckpt)
+    if sd is None:
+        raise ScaletrainError(f"{ckpt}: no model weights in it ({MODEL_FILE} or DeepSpeed's files); use an earlier "
+                              "checkpoint")
+    return sd
 
 
 def _torch_optimizer_state(ckpt: Path, names: list[str]):

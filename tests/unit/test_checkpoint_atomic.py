@@ -53,8 +53,8 @@ def test_exception_inside_engine_save_keeps_previous_checkpoint(tmp_path):
     assert mgr.latest() == "step-0000010"
     # the previous checkpoint loads and restores the old weights and stream state
     fresh = _model(0.0)
-    state, rank_state = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load("step-0000010")
-    assert state["step"] == 10 and rank_state["stream"] == {"pos": 10}
+    loaded = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load("step-0000010")
+    assert loaded.same_world and loaded.trainer_state["step"] == 10 and loaded.rank_states == [{"stream": {"pos": 10}}]
     assert torch.all(fresh.weight == 1.0)
     # the next save after the crash replaces the leftover partial and succeeds
     mgr.engine.backend.fail_with = None
@@ -94,7 +94,7 @@ def test_process_killed_during_save(tmp_path, when):
     assert (root / "latest").read_text().strip() == "step-0000010"
     assert latest_tag(root) == "step-0000010"
     fresh = _model(0.0)
-    state, _ = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load(latest_tag(root))
+    state = CheckpointManager(tmp_path, LocalEngine(fresh), 3).load(latest_tag(root)).trainer_state
     assert state["step"] == 10 and torch.all(fresh.weight == 1.0)
     if when == "rename":
         assert (root / "step-0000020.partial" / "model.safetensors").is_file() and not (root / "step-0000020").exists()
@@ -120,9 +120,17 @@ def test_keep_last_prunes_oldest(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "step-0000003" / "langs.json").read_text()) == ["de", "ru"]
 
 
-def test_resume_with_a_different_world_size_is_a_clear_error(tmp_path):
+def test_resume_at_another_world_size_without_a_layout_record_is_a_clear_error(tmp_path):
+    """A checkpoint from before engine.json cannot say its layout: another world size is refused in one line
+    (with engine.json it resumes: tests/integration/test_resume_any_layout.py)."""
     mgr = CheckpointManager(tmp_path, LocalEngine(_model(1.0)), keep_last=2)
     _save(mgr, 4, world_size=2)  # as if written by 2 ranks
+    ck = tmp_path / "checkpoints" / "step-0000004"
+    (ck / "engine.json").unlink()
+    index = json.loads((ck / "index.json").read_text())
+    index["files"].pop("engine.json")
+    (ck / "index.json").write_text(json.dumps(index))
     one = CheckpointManager(tmp_path, LocalEngine(_model(0.0)), keep_last=2)
-    with pytest.raises(ScaletrainError, match=r"written by 2 ranks but this run has 1.*same world size"):
+    with pytest.raises(ScaletrainError, match=r"written by 2 ranks but this run has 1, before checkpoints recorded "
+                                              r"their layout.*relaunch with the old rank count"):
         one.load(one.latest())
