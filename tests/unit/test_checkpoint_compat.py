@@ -246,3 +246,18 @@ def test_corpus_identity_is_the_shards_not_the_manifest_bytes(django_shards):
     m3 = json.loads(json.dumps(m))
     m3["splits"]["train"]["shards"][0]["sha256"] = "0" * 64
     assert corpus_record(m3, "a")["digest"] != rec["digest"]
+
+
+def test_cli_refusal_is_one_line_and_exit_2(run, django_shards, tmp_path):
+    """``scaletrain train`` as a user runs it: exit 2, one line, the run directory and MLflow untouched."""
+    from helpers import cli
+
+    before = _snapshot(run)
+    p = cli("train", "--config", "small", *TINY, f"data.shards={django_shards}", f"train.out_dir={run}",
+            "engine.backend=accelerate", "engine.accelerate=ddp", "model.d_model=48", "tracking.enabled=true",
+            f"tracking.uri=sqlite:///{tmp_path}/mlruns.db")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith(f"scaletrain: error: cannot resume from {run / 'checkpoints' / CKPT}: model.d_model: "
+                               "checkpoint 32, this run 48; ")
+    assert _snapshot(run) == before and not (tmp_path / "mlruns.db").exists()
