@@ -261,3 +261,20 @@ def test_cli_refusal_is_one_line_and_exit_2(run, django_shards, tmp_path):
     assert lines[0].startswith(f"scaletrain: error: cannot resume from {run / 'checkpoints' / CKPT}: model.d_model: "
                                "checkpoint 32, this run 48; ")
     assert _snapshot(run) == before and not (tmp_path / "mlruns.db").exists()
+
+
+@pytest.mark.usefixtures("in_process_training")
+def test_warm_start_into_deepspeed_zero3(base, django_shards, tmp_path):
+    """The weights are loaded before the engine wraps the model: ZeRO-3 partitions the loaded values."""
+    from scaletrain.train import Trainer
+
+    cfg = load_config("small", [*TINY, f"data.shards={django_shards}", f"train.out_dir={tmp_path / 'w'}",
+                                f"train.init_from={base}", "engine.backend=deepspeed", "engine.ds_config=zero3.json",
+                                "engine.precision=fp32"])
+    t = Trainer(cfg)
+    try:
+        assert t.engine.zero_stage == 3
+        got, want = t.engine.full_state_dict(), load_model_weights(base / "checkpoints" / CKPT)
+        assert got.keys() == want.keys() and all(torch.equal(got[k].float(), want[k]) for k in want)
+    finally:
+        t.close()
