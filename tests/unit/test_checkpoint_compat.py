@@ -278,3 +278,26 @@ def test_warm_start_into_deepspeed_zero3(base, django_shards, tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k].float(), want[k]) for k in want)
     finally:
         t.close()
+
+
+def test_tokenizer_refusals_and_a_tokenizer_added_to_the_corpus(run, django_shards, tmp_path):
+    """Another tokenizer or SentencePiece model is refused on resume and at a warm start; SentencePiece models
+    added to the same shards later change manifest.json but not the corpus: a byte run resumes there."""
+    from scaletrain.prepare import add_spm_model
+
+    shards = tmp_path / "dj"
+    shutil.copytree(django_shards, shards)
+    for n in (600, 640):
+        add_spm_model(shards, n, character_coverage=0.98)
+    spm = [f"data.shards={shards}", "data.tokenizer=spm"]
+    line = _refused(_trainer(shards, run, *spm[1:], "data.spm_vocab_size=600"), run, tmp_path)
+    assert "data.tokenizer: checkpoint byte, this run spm" in line and "corpus" not in line, line
+    sub = tmp_path / "sub"
+    _fit(_trainer(shards, sub, *spm[1:], "data.spm_vocab_size=600", "train.max_steps=2"))
+    ck = sub / "checkpoints" / CKPT
+    line = _refused(_trainer(shards, sub, *spm[1:], "data.spm_vocab_size=640"), sub, tmp_path)
+    assert "vocabulary size before the language tags (the SentencePiece model's): checkpoint 600, this run 640" \
+           in line and "SentencePiece model sha256 (vocab.json): checkpoint " in line, line
+    with pytest.raises(ScaletrainError, match=r"cannot warm-start from .*: vocabulary size before the language tags"):
+        _trainer(shards, tmp_path / "w", *spm[1:], "data.spm_vocab_size=640", f"train.init_from={ck}")
+    assert _fit(_trainer(shards, run)).steps == 3  # the byte run on its shards with models added: same corpus
