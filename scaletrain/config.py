@@ -267,7 +267,17 @@ class TrainConfig:
     seed: int = 1
     """Seed of the model's initialisation and dropout (>= 0)."""
     resume: bool = True
-    """Continue from ``out_dir``'s latest checkpoint when there is one."""
+    """Continue from ``out_dir``'s latest checkpoint when there is one. A checkpoint of another model, vocabulary
+    or corpus is refused with one line naming the keys (scaletrain.checkpoint.compat)."""
+    init_from: str = ""
+    """Warm start: a checkpoint directory, or a run directory (its latest checkpoint), whose model weights start
+    this run; the optimizer, LR schedule, data position and counters start fresh. Same model and tokenizer
+    needed; other languages are mapped by tag name (new ones keep their fresh initialisation). Ignored, with a
+    log line, when ``out_dir`` has a checkpoint to resume from; "" = off (scaletrain.checkpoint.warm_start)."""
+    resume_other_corpus: bool = False
+    """Resume a checkpoint trained on another corpus (other shards, same vocabulary): the model, optimizer, LR
+    schedule and counters carry on, the data stream starts at the new corpus's beginning. false: such a
+    resume is refused with one line."""
     on_corrupt_checkpoint: str = "fallback"
     """A checkpoint file that does not match the checkpoint's index.json (sha256) at resume: ``fallback`` =
     warn and resume from the newest intact earlier checkpoint | ``stop`` = fail naming the file."""
@@ -304,6 +314,9 @@ class TrainConfig:
         _check_min("train", self, ("seed",), 0)
         _check_min("train", self, ("max_steps",), 1)
         _check_choice("train.on_corrupt_checkpoint", self.on_corrupt_checkpoint, ("fallback", "stop"))
+        if not isinstance(self.init_from, str):
+            _bad("train.init_from", f"must be a checkpoint or run directory (a path), got {self.init_from!r}")
+        _check_choice("train.resume_other_corpus", self.resume_other_corpus, (True, False))
         _check_choice("train.on_save_error", self.on_save_error, ("stop", "continue"))
         _check_choice("train.nonfinite", self.nonfinite, ("skip", "stop"))
         _check_min("train", self, ("max_nonfinite",), 1, " (consecutive skipped updates before stopping)")

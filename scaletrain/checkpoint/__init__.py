@@ -13,6 +13,10 @@
 * :mod:`~scaletrain.checkpoint.deepspeed_files`: DeepSpeed's files, read with and without an engine.
 * :mod:`~scaletrain.checkpoint.inference`: a model for evaluate/translate/export from a checkpoint or
   run directory (any engine, any ZeRO stage, expert shards joined) or from an exported file.
+* :mod:`~scaletrain.checkpoint.compat`: whether a run may resume a checkpoint (model, vocabulary, corpus
+  compared; a refusal in one line before anything is loaded) and the corpus record a checkpoint keeps.
+* :mod:`~scaletrain.checkpoint.warm_start`: ``train.init_from``, a fresh run from another run's weights
+  (language tags mapped by name).
 * :mod:`~scaletrain.checkpoint.average`: ``scaletrain average``.
 
 Layer: above ``engine/`` (the engine hands it state dicts and takes them back), ``models/``,

@@ -29,6 +29,7 @@ class TrainState:
     valid_history: list[tuple[int, float]] = field(default_factory=list)  # (step, valid nll)
     best: dict | None = None  # the best-checkpoint tracker's state (metric, best value/step, patience count)
     run_id: str | None = None  # the MLflow run of the job
+    init_from: dict | None = None  # train.init_from: the checkpoint whose weights the job started from (warm_start)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +38,7 @@ class TrainState:
             "last_save_seconds": self.last_save_seconds, "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_run": self.nonfinite_run, "oom_steps": self.oom_steps,
             "valid_history": [list(v) for v in self.valid_history], "best": self.best, "run_id": self.run_id,
+            "init_from": self.init_from,
         }
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
@@ -52,6 +54,7 @@ class TrainState:
         self.valid_history = [(int(s), float(v)) for s, v in st.get("valid_history", [])]
         self.best = st.get("best")
         self.run_id = st.get("run_id")
+        self.init_from = st.get("init_from")
 
 
 class TrainClock:

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from scaletrain.checkpoint import CheckpointContents, CheckpointManager
+from scaletrain.checkpoint.compat import check_resume, corpus_record
+from scaletrain.checkpoint.warm_start import warm_start
 from scaletrain.config import Config, dump_yaml
 from scaletrain.data.loader import ShardLoader, auto_num_workers
 from scaletrain.data.position import states_for_layout
@@ -87,6 +89,7 @@ class Trainer:
                                       vocab_size=cfg.data.spm_vocab_size)
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         model = self.build_model()
+        init_from = warm_start(cfg, model, self.vocab, is_main=eng.is_main)  # train.init_from: weights only
         self.param_counts = count_parameters(model, eng.parallel.ep_size)  # the whole model, every expert
         eng.setup(model)
         apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
@@ -94,7 +97,7 @@ class Trainer:
             cfg.data, "train", parallel=eng.parallel, grad_accum=cfg.engine.grad_accum, vocab=self.vocab,
             num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
-        self.state = TrainState()
+        self.state = TrainState(init_from=init_from)
         self.clock = TrainClock(self.state)
         self._components(cfg, eng)
         self.prefetcher: Prefetcher | None = None  # made in fit()
@@ -167,11 +170,11 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         st, eng = self.state, self.engine
+        self._resume()  # first: a checkpoint this run may not resume is refused before anything is changed
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
             (Path(self.out_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
         eng.parallel.barrier()
-        self._resume()
         st.run_id = self.recorder.start(st.run_id, lambda: st.step, manifest=self.manifest,
                                         vocab_size=self.vocab.size, param_counts=self.param_counts)
         baseline = self._baseline()
@@ -277,7 +280,8 @@ class Trainer:
     # ------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> CheckpointContents:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
-        trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name}
+        trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name,
+                         "corpus": corpus_record(self.manifest.to_dict(), self.cfg.data.shards)}
         return CheckpointContents(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
                                   config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
 
@@ -296,17 +300,22 @@ class Trainer:
         tag = self.ckpt.resume_tag(self.cfg.train.on_corrupt_checkpoint)  # verified against its index.json
         if tag is None:
             return
+        fits = check_resume(self.ckpt.root / tag, self.cfg, self.vocab,  # a refusal comes before any load or write
+                            corpus_record(self.manifest.to_dict(), self.cfg.data.shards), is_main=self.engine.is_main)
         loaded = self.ckpt.load(tag)
         self.state.load_state_dict(loaded.trainer_state)
         self.stopper.restore()
         eng, old_world = self.engine, len(loaded.rank_states)
-        if loaded.same_world:
+        if fits.other_corpus:  # train.resume_other_corpus: another corpus is read from its start
+            pass
+        elif loaded.same_world:
             self.stream.load_state_dict(loaded.rank_states[0]["stream"])
         else:  # another layout: the same global batches where the slot count holds (data/position.py)
             dp = eng.parallel
             streams = states_for_layout([s["stream"] for s in loaded.rank_states], dp.dp_size,
                                         self.cfg.engine.grad_accum)
             self.stream.load_state_dict(streams[dp.dp_rank])
+        if not loaded.same_world:
             seed_everything(rederived_seed(self.cfg.train.seed, self.state.step, eng.rank))
         self.recorder.resumed_at(self.state.step)
         if eng.is_main:
