@@ -1,5 +1,6 @@
 """A run resumed at another layout continues the same run: 2 ranks x 1 micro-batch, checkpoint at update 12,
-then 1 rank x 2 micro-batches to 24 (and 1 -> 2 ranks, and ZeRO-2 -> ZeRO-0) gives the losses of an
+then 1 rank x 2 micro-batches to 24 (and 1 -> 2 ranks, ZeRO-2 -> ZeRO-0, and moe.ep_size 2 -> 1 with MoCE
+and MoE experts) gives the losses of an
 uninterrupted 2-rank run update for update (the same global batches; only the order of the reductions
 differs), with the weights, fp32 master weights, AdamW moments and step count carried bitwise.
 
@@ -18,6 +19,9 @@ from helpers import REPLAY_DRIVER, deepspeed_cmd, launcher_env, run
 
 N = 12
 COMMON = ["optim.warmup_steps=4", "data.num_workers=0"]
+# moce_d5_moe's layers, tiny: MoCE experts and a sparse MoE feed-forward, split over 2 ranks (moe.ep_size=2)
+MOCE_MOE = ["model.arch=moce", "model.conv.kernels=[0,1,3,5]", "moe.moce_partition=true", "moe.num_experts=4",
+            "moe.every=1", "moe.top_k=2", "moe.ffn_dim=32"]
 Z0, Z2, Z3 = "engine.ds_config=zero0.json", "engine.ds_config=zero2.json", "engine.ds_config=zero3.json"
 
 
@@ -52,8 +56,9 @@ def _weights_rel(tmp_path, name, ref="full") -> float:
 @pytest.mark.slow
 def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_path):
     env, sh = launcher_env(tmp_path), str(django_shards)
+    ep2 = [Z0, *MOCE_MOE, "moe.ep_size=2"]
     _launch(2, tmp_path, sh, [_job("full", 2 * N, Z0), _job("z0", N, Z0), _job("z2", N, Z2, whole=True),
-                              _job("z3", N, Z3, whole=True)], env)
+                              _job("z3", N, Z3, whole=True), _job("ep_full", 2 * N, *ep2), _job("ep", N, *ep2)], env)
     for src, dst in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3")):
         shutil.copytree(tmp_path / src, tmp_path / dst)  # the same checkpoint, loaded without training
     p = _launch(1, tmp_path, sh, [
@@ -62,6 +67,7 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
         _job("carry", N, Z0, "engine.grad_accum=2", whole=True),
         _job("carry_from_z3", N, Z0, "engine.grad_accum=2", whole=True),
         _job("one", N, Z0, "engine.grad_accum=2", whole=True),  # 1 rank x 2, to be resumed on 2 ranks
+        _job("ep", 2 * N, Z0, *MOCE_MOE, "moe.ep_size=1", "engine.grad_accum=2"),  # ep_size 2 -> 1, 2 -> 1 rank
     ], env)
     assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
     shutil.copytree(tmp_path / "one", tmp_path / "carry_up")
@@ -70,14 +76,15 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
 
     full = _result(tmp_path, "full")
     assert full["steps"] == 2 * N and len(full["train_loss"]) == 2 * N
-    for name in ("z0", "z2", "one"):
-        res = _result(tmp_path, name)
+    for name, ref in (("z0", "full"), ("z2", "full"), ("one", "full"), ("ep", "ep_full")):
+        res, want = _result(tmp_path, name), _result(tmp_path, ref)
         assert res["steps"] == 2 * N and res["world_size"] == (2 if name == "one" else 1), name
-        assert res["tokens"] == full["tokens"], name  # the same global batches
-        _close(res["train_loss"], full["train_loss"][N:])
-        # the reference ran at ZeRO-0 throughout; "z2" ran its first half at ZeRO-2, whose reduce-scatter sums
-        # in another order (measured 5.2e-5; same-stage resumes: 0.0)
-        assert _weights_rel(tmp_path, name) <= (1e-4 if name == "z2" else 1e-5), name
+        assert res["tokens"] == want["tokens"], name  # the same global batches
+        _close(res["train_loss"], want["train_loss"][N:])
+        # the reference ran at one layout throughout: "z2" ran its first half at ZeRO-2, whose reduce-scatter
+        # sums in another order (measured 5.2e-5), "ep" its second half at ep_size=1, which sums the expert
+        # gradients in another order than ep_size=2 (1.4e-5); the same-stage resumes: 0.0
+        assert _weights_rel(tmp_path, name, ref) <= (1e-4 if name in ("z2", "ep") else 1e-5), name
     # the state carried, bitwise: what the engine held before the save == what the engine at the new layout
     # holds after the load (ZeRO-2 on 2 ranks -> ZeRO-0 on 1 and ZeRO-3 on 2; ZeRO-3 -> ZeRO-0 on 1;
     # ZeRO-0 on 1 -> ZeRO-2 on 2)
