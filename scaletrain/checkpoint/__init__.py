@@ -8,6 +8,8 @@
 * :mod:`~scaletrain.checkpoint.engine_state`: the engine's part: ``engine.json`` (layout, LR schedule),
   the model and optimizer state dicts the engine hands over (``model.safetensors``, ``optimizer.bin``) or,
   for DeepSpeed, its own files; read back at resume.
+* :mod:`~scaletrain.checkpoint.reshard`: a checkpoint resumed at another world size, ZeRO stage or engine
+  (the state made whole by parameter name: ZeRO-1/2/3 partitions joined; handed to ``Engine.load_whole``).
 * :mod:`~scaletrain.checkpoint.experts`: expert shards under expert parallelism (save, resume at the same
   or another ``moe.ep_size``, merge for inference).
 * :mod:`~scaletrain.checkpoint.deepspeed_files`: DeepSpeed's files, read with and without an engine.

@@ -9,7 +9,8 @@ Layout of a run directory::
                                        model.safetensors + optimizer.bin, or DeepSpeed's files;
                                        expert_shard_ep*.pt under expert parallelism
                      rank00000.pt      this rank's data-stream state and RNG states
-                     trainer_state.json step, tokens/examples seen, MLflow run id
+                     trainer_state.json step, tokens/examples seen, world size, MLflow run id, the corpus
+                                       record (compat.py), a warm start's source (train.init_from)
                      config.yaml       the resolved config
                      langs.json        vocabulary languages (manifest order)
                      vocab.json, *.model  a SentencePiece vocabulary's record and model (subword runs only)
@@ -20,6 +21,9 @@ A checkpoint is written under ``step-N.partial`` and renamed when every rank has
 ``latest`` is replaced atomically: a crash during a save leaves the previous checkpoint loadable and
 ``latest`` never names a partial one. Resume verifies ``index.json`` and falls back to the newest intact
 checkpoint (``train.on_corrupt_checkpoint``); every file is loaded weights-only (``scaletrain.safeload``).
+At another world size (:meth:`CheckpointManager.load`) every old rank's ``rankRRRRR.pt`` is read: the
+data position moves to the new ranks (``scaletrain.data.position.states_for_layout``) and the RNG streams
+are re-derived by the trainer.
 """
 from __future__ import annotations
 
