@@ -154,7 +154,7 @@ def test_validation_under_skip_leaves_the_batch_out_and_counts_it(django_shards,
     assert any("1 validation batch(es) ran out of memory and were left out" in r.getMessage()
                and "over the 2 that ran" in r.getMessage() for r in caplog.records)
     calls[0], fail = 0, {1}
-    t.cfg.train.valid_max_batches = 1  # every batch fails: no loss to report, NaN (never a best)
+    t.evaluator.valid_max_batches = 1  # every batch fails: no loss to report, NaN (never a best)
     assert math.isnan(t.evaluator.validation_loss()) and logged[-1]["valid/oom_batches"] == 1.0
     t.close()
 
@@ -182,17 +182,18 @@ def test_checkpoint_write_removes_the_partial_and_keeps_latest(django_shards, tm
     seen = {}
 
     def inject(t):
-        real = t.engine.save
+        real = t.engine.save_native  # DeepSpeed's files (the default engine), into step-N.partial
+        assert t.engine.native_checkpoint
 
-        def save(root, tag):
-            if tag.startswith("step-0000002"):
+        def save_native(path):
+            if path.name.startswith("step-0000002"):
                 seen["files"] = files(tmp_path / "checkpoints")
-                (root / tag).mkdir(parents=True, exist_ok=True)
-                (root / tag / "half-written.pt").write_bytes(b"\0" * 100)
+                path.mkdir(parents=True, exist_ok=True)
+                (path / "half-written.pt").write_bytes(b"\0" * 100)
                 raise torch.OutOfMemoryError(OOM)
-            return real(root, tag)
+            return real(path)
 
-        monkeypatch.setattr(t.engine, "save", save)
+        monkeypatch.setattr(t.engine, "save_native", save_native)
 
     with_trainer(monkeypatch, inject)
     rc = train(django_shards, tmp_path, "train.max_steps=3")
