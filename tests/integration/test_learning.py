@@ -51,7 +51,7 @@ def test_fits_and_decodes_100_real_pairs(django_shards, tmp_path):
     over = [
         f"data.shards={data}", f"train.out_dir={run_dir}", "data.max_bytes=48", "data.max_tokens=3000",
         *tiny_model(d_model=128, n_heads=4, layers=2, ffn_dim=512, max_positions=128), "optim.lr=3e-3",
-        "optim.warmup_steps=40", "optim.label_smoothing=0.0", "train.max_steps=400", "train.max_minutes=0",
+        "optim.warmup_steps=30", "optim.label_smoothing=0.0", "train.max_steps=300", "train.max_minutes=0",
         "train.log_every=50", "train.valid_every=0", "train.save_every=0", "engine.threads=2",
     ]
     run([sys.executable, "-m", "scaletrain", "train", "--config", "small", *over], env)
