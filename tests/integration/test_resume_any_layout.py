@@ -103,3 +103,25 @@ def _same_whole(tmp_path, saved, loaded):
             assert torch.equal(before["moments"][k][m], after["moments"][k][m]), (saved, loaded, k, m)
     # and training did move the moments (the comparison is not trivially true)
     assert any(before["moments"][k]["exp_avg"].abs().sum() > 0 for k in before["moments"])
+
+
+@pytest.mark.slow
+def test_resume_on_the_other_engine_carries_the_state(django_shards, tmp_path):
+    """Accelerate DDP (1 process) -> DeepSpeed ZeRO-2 (2 ranks) and DeepSpeed ZeRO-2 (2 ranks) -> Accelerate DDP
+    (1 process): the weights, Adam moments and step count the new engine holds after the load are the ones
+    the old engine held, bitwise."""
+    import sys
+
+    env, sh = launcher_env(tmp_path), str(django_shards)
+    ddp = ["engine.backend=accelerate", "engine.accelerate=ddp"]
+    run([sys.executable, REPLAY_DRIVER, str(tmp_path), sh, json.dumps([_job("acc", N, *ddp, whole=True)])], env)
+    shutil.copytree(tmp_path / "acc", tmp_path / "acc_to_z2")
+    _launch(2, tmp_path, sh, [_job("acc_to_z2", N, Z2, whole=True), _job("ds", N, Z2, whole=True)], env)
+    shutil.copytree(tmp_path / "ds", tmp_path / "ds_to_acc")
+    p = run([sys.executable, REPLAY_DRIVER, str(tmp_path), sh, json.dumps([_job("ds_to_acc", N, *ddp, whole=True)])],
+            env)
+    assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
+    assert _result(tmp_path, "acc_to_z2")["engine"] == "deepspeed" and _result(tmp_path, "ds_to_acc")["engine"] == \
+        "accelerate/ddp"
+    for saved, loaded in (("acc", "acc_to_z2"), ("ds", "ds_to_acc")):
+        _same_whole(tmp_path, saved, loaded)
