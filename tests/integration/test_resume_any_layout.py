@@ -1,6 +1,6 @@
 """A run resumed at another layout continues the same run: 2 ranks x 1 micro-batch, checkpoint at update 12,
-then 1 rank x 2 micro-batches to 24 (and 1 -> 2 ranks, ZeRO-2 -> ZeRO-0, and moe.ep_size 2 -> 1 with MoCE
-and MoE experts) gives the losses of an
+then 1 rank x 2 micro-batches to 24 (and 1 -> 2 ranks, 2 ranks x 2 -> 4 ranks, ZeRO-2 -> ZeRO-0, and
+moe.ep_size 2 -> 1 with MoCE and MoE experts) gives the losses of an
 uninterrupted 2-rank run update for update (the same global batches; only the order of the reductions
 differs), with the weights, fp32 master weights, AdamW moments and step count carried bitwise.
 
@@ -57,9 +57,11 @@ def _weights_rel(tmp_path, name, ref="full") -> float:
 def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_path):
     env, sh = launcher_env(tmp_path), str(django_shards)
     ep2 = [Z0, *MOCE_MOE, "moe.ep_size=2"]
+    ga2 = [Z0, "engine.grad_accum=2"]
     _launch(2, tmp_path, sh, [_job("full", 2 * N, Z0), _job("z0", N, Z0), _job("z2", N, Z2, whole=True),
-                              _job("z3", N, Z3, whole=True), _job("ep_full", 2 * N, *ep2), _job("ep", N, *ep2)], env)
-    for src, dst in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3")):
+                              _job("z3", N, Z3, whole=True), _job("ep_full", 2 * N, *ep2), _job("ep", N, *ep2),
+                              _job("full_2x2", 2 * N, *ga2), _job("quad", N, *ga2)], env)
+    for src, dst in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("z2", "carry_bf16")):
         shutil.copytree(tmp_path / src, tmp_path / dst)  # the same checkpoint, loaded without training
     p = _launch(1, tmp_path, sh, [
         _job("z0", 2 * N, Z0, "engine.grad_accum=2"),  # 2 ranks x 1 -> 1 rank x 2, ZeRO-0
@@ -72,13 +74,16 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
     assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
     shutil.copytree(tmp_path / "one", tmp_path / "carry_up")
     _launch(2, tmp_path, sh, [_job("one", 2 * N, Z0), _job("carry_up", N, Z2, whole=True),
-                              _job("carry_z3", N, Z3, whole=True)], env)
+                              _job("carry_z3", N, Z3, whole=True),
+                              _job("carry_bf16", N, Z2, "engine.precision=bf16", whole=True)], env)
+    _launch(4, tmp_path, sh, [_job("quad", 2 * N, Z0)], env)  # 2 ranks x 2 -> 4 ranks x 1
 
     full = _result(tmp_path, "full")
     assert full["steps"] == 2 * N and len(full["train_loss"]) == 2 * N
-    for name, ref in (("z0", "full"), ("z2", "full"), ("one", "full"), ("ep", "ep_full")):
+    worlds = {"z0": 1, "z2": 1, "one": 2, "ep": 1, "quad": 4}
+    for name, ref in (("z0", "full"), ("z2", "full"), ("one", "full"), ("ep", "ep_full"), ("quad", "full_2x2")):
         res, want = _result(tmp_path, name), _result(tmp_path, ref)
-        assert res["steps"] == 2 * N and res["world_size"] == (2 if name == "one" else 1), name
+        assert res["steps"] == 2 * N and res["world_size"] == worlds[name], name
         assert res["tokens"] == want["tokens"], name  # the same global batches
         _close(res["train_loss"], want["train_loss"][N:])
         # the reference ran at one layout throughout: "z2" ran its first half at ZeRO-2, whose reduce-scatter
@@ -87,8 +92,9 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
         assert _weights_rel(tmp_path, name, ref) <= (1e-4 if name in ("z2", "ep") else 1e-5), name
     # the state carried, bitwise: what the engine held before the save == what the engine at the new layout
     # holds after the load (ZeRO-2 on 2 ranks -> ZeRO-0 on 1 and ZeRO-3 on 2; ZeRO-3 -> ZeRO-0 on 1;
-    # ZeRO-0 on 1 -> ZeRO-2 on 2)
-    for saved, loaded in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("one", "carry_up")):
+    # ZeRO-0 on 1 -> ZeRO-2 on 2; fp32 -> bf16 at ZeRO-2, whose fp32 master weights and moments are the fp32 run's)
+    for saved, loaded in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("one", "carry_up"),
+                          ("z2", "carry_bf16")):
         _same_whole(tmp_path, saved, loaded)
 
 
