@@ -88,7 +88,7 @@ def expert_checkpoint_load(ckpt_dir: Path, model: nn.Module, optimizer, ctx: Par
     if saved == ctx.ep_size:
         _load_own_shard(ckpt_dir, named, optimizer, ctx)
         return
-    full = loaded if saved == 1 else _joined_shards(ckpt_dir, saved)
+    full = loaded if saved == 1 else joined_shards(ckpt_dir, saved)
     with torch.no_grad():
         for n, p in named.items():
             t, state = full[n]
@@ -98,7 +98,7 @@ def expert_checkpoint_load(ckpt_dir: Path, model: nn.Module, optimizer, ctx: Par
                                       if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
 
 
-def _joined_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, dict]]:
+def joined_shards(ckpt_dir: Path, saved: int) -> dict[str, tuple[torch.Tensor, dict]]:
     """name -> (the full tensor: every expert of the layer, its optimizer state) from all shard files."""
     files = [shard_file(ckpt_dir, r, saved) for r in range(saved)]
     if not all(f.is_file() for f in files):

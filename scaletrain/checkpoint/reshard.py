@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.deepspeed_files import consolidated_weights, model_states_file
+from scaletrain.checkpoint.experts import joined_shards, merge_expert_shards
+from scaletrain.parallel.state import expert_layout, join_parts
 from scaletrain.errors import ScaletrainError
 from scaletrain.safeload import safe_torch_load
 
@@ -58,14 +60,16 @@ def _zero_files(ckpt: Path) -> list[Path]:
     return files
 
 
-def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torch.Size]):
+def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torch.Size], experts: dict | None = None):
     """``(model, WholeState)`` of checkpoint ``ckpt`` (written at layout ``saved``): the whole fp32 module
     state dict and the optimizer's state by parameter name. ``names``: the trainable parameters in the
-    optimizer's order (the same function builds it at every layout); ``shapes``: their whole shapes."""
+    optimizer's order (the same function builds it at every layout); ``shapes``: their whole shapes;
+    ``experts``: the expert parameters' layout at the checkpoint's ``moe.ep_size``
+    (``scaletrain.parallel.state.expert_layout``): each EP rank's part, joined here into the whole tensor."""
     from scaletrain.engine import WholeState
 
-    ckpt = Path(ckpt)
-    model = _model_weights(ckpt)
+    ckpt, experts = Path(ckpt), experts or {}
+    model = merge_expert_shards(ckpt, _model_weights(ckpt))  # every EP rank's experts (their shard files)
     missing = [n for n in names if n not in model]
     if missing:
         raise ScaletrainError(f"{ckpt}: its model lacks {missing[:5]} of this run's parameters; resume with the "
@@ -73,8 +77,11 @@ def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torc
     stage = int(saved.get("zero_stage") or 0)
     if stage == 0:
         masters, moments, step = {}, *_torch_optimizer_state(ckpt, names)
+        if int(saved.get("ep_size") or 1) > 1:  # the experts' moments: every EP rank's shard file
+            for name, (_, state) in joined_shards(ckpt, int(saved["ep_size"])).items():
+                moments[name] = {k: v.float() for k, v in state.items() if k in MOMENTS}
     elif stage in (1, 2):
-        masters, moments, step = _zero12_state(ckpt, names, shapes)
+        masters, moments, step = _zero12_state(ckpt, names, shapes, experts)
     else:
         masters, moments, step = _zero3_state(ckpt, names, shapes)
     return model, WholeState(masters, moments, step)
@@ -144,13 +151,18 @@ def _base_state(part: dict, key: str) -> dict:
     return base["state"]
 
 
-def _zero12_state(ckpt: Path, names: list[str], shapes: dict):
+def _zero12_state(ckpt: Path, names: list[str], shapes: dict, experts: dict):
     """ZeRO-1/2: rank r's flat partition of group g holds, for each parameter in ``param_slice_mappings[g]``,
-    the fragment ``[start, start + numel)``; the whole parameter is its fragments in rank order."""
+    the fragment ``[start, start + numel)``; the whole parameter is its fragments in rank order. Under
+    expert parallelism (DeepSpeed's MoE path) an expert group is partitioned over each expert-data-parallel
+    group instead: rank r's fragments belong to EP rank ``r % ep_size``'s experts, whose tensors are then
+    joined over the EP ranks (``parallel.state.join_parts``)."""
     parts = _load_partitions(ckpt, 2)
+    ep = len(next(iter(experts.values()))[1]) if experts else 1
     pieces: dict[str, dict[str, list]] = {n: {"fp32": [], **{k: [] for k in MOMENTS}} for n in names}
+    local = {n: [{"fp32": [], **{k: [] for k in MOMENTS}} for _ in range(ep)] for n in experts}
     step = None
-    for part in parts:
+    for r, part in enumerate(parts):
         base = _base_state(part, "base_optimizer_state")
         for g, mapping in enumerate(part["param_slice_mappings"]):
             flat = {"fp32": part["single_partition_of_fp32_groups"][g], **{k: base[g][k] for k in MOMENTS}}
@@ -160,8 +172,21 @@ def _zero12_state(ckpt: Path, names: list[str], shapes: dict):
                 if name not in pieces:
                     raise ScaletrainError(f"{ckpt}: its ZeRO partitions hold {name!r}, which this run's model has not"
                                           "; resume with the model the checkpoint was trained with")
+                into = local[name][r % ep] if name in local else pieces[name]
                 for k, t in flat.items():
-                    pieces[name][k].append(t.narrow(0, frag.start, frag.numel))
+                    into[k].append(t.narrow(0, frag.start, frag.numel))
+    for name, (_, per_rank) in experts.items():  # each EP rank's part whole, then every EP rank's joined
+        for k in pieces[name]:
+            ranks = []
+            for e, shape in enumerate(per_rank):
+                ts = local[name][e][k]
+                n = torch.Size(shape).numel()
+                t = torch.cat(ts)[:n] if ts else torch.empty(0)
+                if t.numel() != n:
+                    raise ScaletrainError(f"{ckpt}: the ZeRO partitions hold {t.numel()} of {n} elements of {name} on "
+                                          f"EP rank {e}; resume with the model the checkpoint was trained with")
+                ranks.append(t.reshape(shape))
+            pieces[name][k] = [join_parts(name, ranks).flatten()]
     return _joined(ckpt, pieces, shapes) + (step,)
 
 
@@ -224,16 +249,10 @@ def native_path_holds(saved: dict, now: dict) -> bool:
 
 def resume_at_layout(engine, ckpt: Path, saved: dict) -> None:
     """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state."""
-    changes = layout_changes(saved, engine.layout())
-    if engine.parallel.ep_size > 1 or int(saved.get("ep_size") or 1) > 1:
-        raise ScaletrainError(
-            f"{ckpt}: with expert parallelism a checkpoint resumes at another layout only where the optimizer holds "
-            f"whole parameters on both sides (the same engine at ZeRO-0, or Accelerate DDP), not here "
-            f"({', '.join(changes)}); relaunch with engine {saved.get('backend')}, ZeRO stage "
-            f"{saved.get('zero_stage')} (any world size and moe.ep_size there)")
     trainable = engine.trainable()
-    shapes = {n: _whole_shape(p) for n, p in trainable.items()}
-    model, whole = read_whole(ckpt, saved, list(trainable), shapes)
+    experts = expert_layout(engine.module, int(saved.get("ep_size") or 1))
+    shapes = {n: torch.Size(experts[n][0]) if n in experts else _whole_shape(p) for n, p in trainable.items()}
+    model, whole = read_whole(ckpt, saved, list(trainable), shapes, experts)
     engine.load_whole(model, whole)
 
 

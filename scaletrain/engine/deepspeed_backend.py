@@ -39,6 +39,12 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
+def _not_here(p: torch.Tensor) -> bool:
+    """An owned expert of another EP rank (empty here); ZeRO-3's partitioned parameters are empty too but hold
+    a slice (``ds_numel``)."""
+    return getattr(p, "ep_owner", None) is not None and p.numel() == 0
+
+
 class DeepSpeedBackend(Backend):
     """One ``deepspeed.DeepSpeedEngine`` (``e``), built by DeepSpeed or, ``accelerate=True``, by Accelerate."""
 
@@ -181,8 +187,13 @@ class DeepSpeedBackend(Backend):
             return super().whole_state(optimizer, named)
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        dsi.link_optimizer_state(self.e)  # links made at the first update miss a group stepped only later
         masters, moments = {}, {}
         for name, p in named.items():
+            if _not_here(p):  # an owned expert of another rank (expert parallelism): nothing here
+                masters[name] = torch.empty(0)
+                moments[name] = {k: torch.empty(0) for k in MOMENTS}
+                continue
             masters[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
             moments[name] = {k: safe_get_full_optimizer_state(p, k).detach().float().cpu().clone() for k in MOMENTS}
         steps = {int(optimizer.state[p]["step"]) for p in dsi.optimizer_partitions(self.e)
@@ -209,6 +220,8 @@ class DeepSpeedBackend(Backend):
         init_adam_state(optimizer, whole.step, dsi.optimizer_partitions(self.e))
         dsi.link_optimizer_state(self.e)
         for name, p in named.items():
+            if _not_here(p):  # an owned expert of another rank
+                continue
             safe_set_full_fp32_param(p, whole.masters[name].float())
             for k, v in (whole.moments.get(name) or {}).items():
                 safe_set_full_optimizer_state(p, v.float(), k)

@@ -37,7 +37,7 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.parallel import ParallelContext, ParallelDims
 from scaletrain.parallel.grads import ExpertParallelGrads
 from scaletrain.parallel.lockstep import LockstepDecoder
-from scaletrain.parallel.state import consolidate_state_dict
+from scaletrain.parallel.state import consolidate_state_dict, expert_params, gather_expert, shard_state_dict
 
 
 class StepInfo:
@@ -520,8 +520,18 @@ class Engine:
         return {names[id(p)]: p for g in param_groups(self.module) for p in g["params"]}
 
     def whole_state(self) -> WholeState:
-        """The optimizer's state made whole, by parameter name, on every rank (collective under ZeRO-3)."""
-        return self.backend.whole_state(self.optimizer, self.trainable())
+        """The optimizer's state made whole, by parameter name, on every rank (collective under ZeRO-3 and under
+        expert parallelism: every expert gathered over the EP group)."""
+        whole = self.backend.whole_state(self.optimizer, self.trainable())
+        if self.parallel.ep_size > 1:
+            for name, p in sorted(expert_params(self.module).items()):
+                if name in whole.masters:
+                    whole.masters[name] = gather_expert(p, whole.masters[name], self.parallel)
+                m = whole.moments.get(name, {})
+                for k in MOMENTS:
+                    if k in m:
+                        m[k] = gather_expert(p, m[k], self.parallel)
+        return whole
 
     def load_whole(self, model: dict[str, torch.Tensor], whole: WholeState) -> None:
         """Load a checkpoint written at another layout: ``model`` the whole module state dict (fp32), ``whole``
@@ -529,9 +539,14 @@ class Engine:
         layout's files). Every rank calls it with the same values; each keeps its part."""
         masters = whole.masters or {}
         weights = {k: masters.get(k, v) for k, v in model.items()}  # fp32 masters over 16-bit module weights
+        moments = whole.moments
+        if self.parallel.ep_size > 1:  # this rank's experts
+            weights = shard_state_dict(weights, self.module)
+            cut = {k: shard_state_dict({n: m[k] for n, m in moments.items() if k in m}, self.module) for k in MOMENTS}
+            moments = {n: {k: cut[k][n] for k in MOMENTS if n in cut[k]} for n in moments}
         self.backend.load_module(self.module, weights)
         self.backend.load_whole(self.optimizer, self.trainable(), WholeState(
-            {k: weights[k] for k in self.trainable() if k in weights}, whole.moments, whole.step))
+            {k: weights[k] for k in self.trainable() if k in weights}, moments, whole.step))
         self.schedule.install()
 
     def save_native(self, path: Path) -> None:

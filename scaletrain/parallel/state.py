@@ -152,3 +152,18 @@ def shard_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[st
             raise ScaletrainError(f"{key}: the checkpoint has {t.shape[0]} experts, the model {total} (moe.num_experts)")
         out[key] = t[first:first + local[key].shape[0]]
     return out
+
+
+def expert_layout(model: nn.Module, ep_size: int) -> dict[str, tuple[tuple[int, ...], list[tuple[int, ...]]]]:
+    """Expert parameter name -> (its full shape, its shape on each EP rank of a model at ``ep_size``): what a
+    checkpoint written at another ``moe.ep_size`` held where (``scaletrain.checkpoint.reshard``)."""
+    shards, out = expert_shards(model), {}
+    for name, p in expert_params(model).items():
+        if getattr(p, "ep_owner", None) is not None:
+            full = tuple(p.full_shape)
+            owner = _owner_at(p, ep_size)
+            out[name] = (full, [full if e == owner else (0,) for e in range(ep_size)])
+        else:
+            total, rest = shards[name][1], tuple(p.shape[1:])
+            out[name] = ((total, *rest), [(total // ep_size, *rest)] * ep_size)
+    return out

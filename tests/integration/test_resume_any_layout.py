@@ -59,9 +59,11 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
     ep2 = [Z0, *MOCE_MOE, "moe.ep_size=2"]
     ga2 = [Z0, "engine.grad_accum=2"]
     _launch(2, tmp_path, sh, [_job("full", 2 * N, Z0), _job("z0", N, Z0), _job("z2", N, Z2, whole=True),
-                              _job("z3", N, Z3, whole=True), _job("ep_full", 2 * N, *ep2), _job("ep", N, *ep2),
+                              _job("z3", N, Z3, whole=True), _job("ep_full", 2 * N, *ep2), _job("ep", N, *ep2, whole=True),
+                              _job("ep_z2", N, Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2", whole=True),
                               _job("full_2x2", 2 * N, *ga2), _job("quad", N, *ga2)], env)
-    for src, dst in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("z2", "carry_bf16")):
+    for src, dst in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("z2", "carry_bf16"),
+                     ("ep", "carry_ep"), ("ep", "carry_ep_z2"), ("ep_z2", "carry_from_ep_z2")):
         shutil.copytree(tmp_path / src, tmp_path / dst)  # the same checkpoint, loaded without training
     p = _launch(1, tmp_path, sh, [
         _job("z0", 2 * N, Z0, "engine.grad_accum=2"),  # 2 ranks x 1 -> 1 rank x 2, ZeRO-0
@@ -70,12 +72,16 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
         _job("carry_from_z3", N, Z0, "engine.grad_accum=2", whole=True),
         _job("one", N, Z0, "engine.grad_accum=2", whole=True),  # 1 rank x 2, to be resumed on 2 ranks
         _job("ep", 2 * N, Z0, *MOCE_MOE, "moe.ep_size=1", "engine.grad_accum=2"),  # ep_size 2 -> 1, 2 -> 1 rank
+        _job("carry_ep", N, Z0, *MOCE_MOE, "moe.ep_size=1", "engine.grad_accum=2", whole=True),
+        _job("carry_from_ep_z2", N, Z0, *MOCE_MOE, "moe.ep_size=1", "engine.grad_accum=2", whole=True),
     ], env)
     assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
     shutil.copytree(tmp_path / "one", tmp_path / "carry_up")
     _launch(2, tmp_path, sh, [_job("one", 2 * N, Z0), _job("carry_up", N, Z2, whole=True),
                               _job("carry_z3", N, Z3, whole=True),
-                              _job("carry_bf16", N, Z2, "engine.precision=bf16", whole=True)], env)
+                              _job("carry_bf16", N, Z2, "engine.precision=bf16", whole=True),
+                              _job("carry_ep_z2", N, Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2",
+                                   whole=True)], env)
     _launch(4, tmp_path, sh, [_job("quad", 2 * N, Z0)], env)  # 2 ranks x 2 -> 4 ranks x 1
 
     full = _result(tmp_path, "full")
@@ -93,8 +99,10 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
     # the state carried, bitwise: what the engine held before the save == what the engine at the new layout
     # holds after the load (ZeRO-2 on 2 ranks -> ZeRO-0 on 1 and ZeRO-3 on 2; ZeRO-3 -> ZeRO-0 on 1;
     # ZeRO-0 on 1 -> ZeRO-2 on 2; fp32 -> bf16 at ZeRO-2, whose fp32 master weights and moments are the fp32 run's)
+    # and with expert parallelism (MoCE + MoE experts): ep_size 2 -> 1 at ZeRO-0, ZeRO-0 -> ZeRO-2 at ep_size 2,
+    # ZeRO-2 at ep_size 2 (DeepSpeed's MoE path: experts partitioned over each expert-data-parallel group) -> 1 rank
     for saved, loaded in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("one", "carry_up"),
-                          ("z2", "carry_bf16")):
+                          ("z2", "carry_bf16"), ("ep", "carry_ep"), ("ep", "carry_ep_z2"), ("ep_z2", "carry_from_ep_z2")):
         _same_whole(tmp_path, saved, loaded)
 
 
