@@ -82,7 +82,10 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
                               _job("carry_bf16", N, Z2, "engine.precision=bf16", whole=True),
                               _job("carry_ep_z2", N, Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2",
                                    whole=True)], env)
-    _launch(4, tmp_path, sh, [_job("quad", 2 * N, Z0)], env)  # 2 ranks x 2 -> 4 ranks x 1
+    ep4 = [Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2"]  # 2 expert-data-parallel ranks per EP rank
+    _launch(4, tmp_path, sh, [_job("quad", 2 * N, Z0), _job("ep4", N, *ep4, whole=True)], env)  # quad: 2x2 -> 4x1
+    shutil.copytree(tmp_path / "ep4", tmp_path / "carry_from_ep4")
+    _launch(1, tmp_path, sh, [_job("carry_from_ep4", N, Z0, *MOCE_MOE, "engine.grad_accum=4", whole=True)], env)
 
     full = _result(tmp_path, "full")
     assert full["steps"] == 2 * N and len(full["train_loss"]) == 2 * N
@@ -100,9 +103,11 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
     # holds after the load (ZeRO-2 on 2 ranks -> ZeRO-0 on 1 and ZeRO-3 on 2; ZeRO-3 -> ZeRO-0 on 1;
     # ZeRO-0 on 1 -> ZeRO-2 on 2; fp32 -> bf16 at ZeRO-2, whose fp32 master weights and moments are the fp32 run's)
     # and with expert parallelism (MoCE + MoE experts): ep_size 2 -> 1 at ZeRO-0, ZeRO-0 -> ZeRO-2 at ep_size 2,
-    # ZeRO-2 at ep_size 2 (DeepSpeed's MoE path: experts partitioned over each expert-data-parallel group) -> 1 rank
+    # ZeRO-2 at ep_size 2 (DeepSpeed's MoE path: experts partitioned over each expert-data-parallel group, of 1
+    # rank on 2 ranks and of 2 ranks on 4) -> 1 rank
     for saved, loaded in (("z2", "carry"), ("z2", "carry_z3"), ("z3", "carry_from_z3"), ("one", "carry_up"),
-                          ("z2", "carry_bf16"), ("ep", "carry_ep"), ("ep", "carry_ep_z2"), ("ep_z2", "carry_from_ep_z2")):
+                          ("z2", "carry_bf16"), ("ep", "carry_ep"), ("ep", "carry_ep_z2"), ("ep_z2", "carry_from_ep_z2"),
+                          ("ep4", "carry_from_ep4")):
         _same_whole(tmp_path, saved, loaded)
 
 
