@@ -25,9 +25,11 @@ for the models scaletrain trains (three fp32 copies of the parameters in host me
 
 What is not carried across layouts: per-rank RNG streams (re-derived from ``train.seed``, the step and the
 new rank: ``manager.py``) and fp16's dynamic loss scale under DeepSpeed (it restarts at its initial scale).
-Expert parallelism: a change of ``moe.ep_size`` and of the world size both go through the expert shard
-files, where the optimizer holds whole parameters (Accelerate DDP, DeepSpeed ZeRO-0); with DeepSpeed's
-ZeRO-1/2 MoE path on either side a layout change is refused in one line.
+Expert parallelism: where the optimizer holds whole parameters with the same engine on both sides
+(ZeRO-0, Accelerate DDP) a change of world size and ``moe.ep_size`` loads through the engine's files and the
+expert shard files (``experts.py``); any other change goes through the whole state too: every EP rank's
+experts joined (their shard files, or DeepSpeed ZeRO-1/2's expert partitions, one set per expert-data-parallel
+group), then cut to the new rank's experts (``scaletrain.parallel.state``).
 """
 from __future__ import annotations
 
