@@ -19,7 +19,7 @@ A checkpoint written before ``engine.json`` existed keeps its schedule position 
 Every file is read weights-only (``scaletrain.safeload``).
 
 A resume at another layout (world size, ZeRO stage, engine, ``moe.ep_size``, precision): ``engine.json`` says
-the layout a checkpoint was written with (:func:`saved_layout`). Where the optimizer held whole parameters
+the layout a checkpoint was written with (``layout.py``, which also names the files above and logs what changed). Where the optimizer held whole parameters
 on both sides with the same library (ZeRO-0, Accelerate DDP) the files above load as they are at any world
 size, expert shards resharded for another ``moe.ep_size`` (``experts.py``); any other change goes through
 the whole state of ``reshard.py`` (ZeRO-1/2/3 partitions joined, handed to the new layout).
@@ -34,15 +34,14 @@ import torch
 
 from scaletrain.checkpoint.deepspeed_files import load_native, model_states_file
 from scaletrain.checkpoint.experts import expert_checkpoint_load, save_expert_shard
-from scaletrain.checkpoint.reshard import native_path_holds, resume_at_layout
+from scaletrain.checkpoint.layout import (ENGINE_FILE, LAYOUT_KEYS, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE,
+                                          native_path_holds, saved_layout, say_layout_change)
+from scaletrain.checkpoint.reshard import resume_at_layout
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode
 from scaletrain.parallel.state import owned_params
 from scaletrain.safeload import safe_torch_load
 
-ENGINE_FILE = "engine.json"  # layout and LR schedule position (rank 0)
-LAYOUT_KEYS = ("backend", "zero_stage", "world_size", "ep_size", "precision")  # Engine.layout()
-MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE = "model.safetensors", "optimizer.bin", "scaler.pt"
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -87,7 +86,9 @@ def load_engine_state(engine, ckpt: Path) -> None:
     record = saved_layout(ckpt)
     if record is not None:  # another layout: through the whole state (reshard.py)
         saved = {k: record.get(k) for k in LAYOUT_KEYS}
-        if not native_path_holds(saved, engine.layout()):
+        whole = not native_path_holds(saved, engine.layout())
+        say_layout_change(engine, ckpt, saved, whole)
+        if whole:
             resume_at_layout(engine, ckpt, saved)
             engine.schedule.load_state_dict(record["schedule"])
             return
@@ -143,20 +144,6 @@ def _strict_model_keys(engine, ckpt: Path) -> bool:
     if missing:
         raise ScaletrainError(f"{ckpt / MODEL_FILE} lacks {sorted(missing)[:5]}; use an earlier checkpoint")
     return False
-
-
-def saved_layout(ckpt: Path) -> dict | None:
-    """The ``engine.json`` record of ``ckpt`` (layout and schedule), None for a checkpoint without one."""
-    f = Path(ckpt) / ENGINE_FILE
-    if not f.is_file():
-        return None
-    try:
-        record = json.loads(f.read_text())
-        if not isinstance(record, dict) or not isinstance(record.get("schedule"), dict):
-            raise ValueError("no schedule")
-    except ValueError as e:
-        raise ScaletrainError(f"{f}: unreadable engine record ({e}); use an earlier checkpoint") from None
-    return record
 
 
 def saved_schedule(ckpt: Path) -> dict | None:

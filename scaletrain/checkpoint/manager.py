@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.checkpoint.engine_state import load_engine_state, save_engine_state, saved_layout
+from scaletrain.checkpoint.engine_state import load_engine_state, save_engine_state
+from scaletrain.checkpoint.layout import saved_layout
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode, sha256_file
 from scaletrain.oom import OutOfMemory, is_oom, memory_summary

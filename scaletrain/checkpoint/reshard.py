@@ -33,27 +33,19 @@ group), then cut to the new rank's experts (``scaletrain.parallel.state``).
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from scaletrain.checkpoint.deepspeed_files import consolidated_weights, model_states_file
+from scaletrain.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE
 from scaletrain.checkpoint.experts import joined_shards, merge_expert_shards
+from scaletrain.engine import WholeState
+from scaletrain.engine.engine import MOMENTS
 from scaletrain.parallel.state import expert_layout, join_parts
 from scaletrain.errors import ScaletrainError
 from scaletrain.safeload import safe_torch_load
 
-log = logging.getLogger("scaletrain")
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.bin"  # as engine_state.py writes them
-
-
-def layout_changes(saved: dict, now: dict) -> list[str]:
-    """The layout keys that differ between a checkpoint's ``engine.json`` record and this run's layout, as
-    ``key a -> b`` (precision included)."""
-    keys = ("backend", "zero_stage", "world_size", "ep_size", "precision")
-    return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
 
 
 def _zero_files(ckpt: Path) -> list[Path]:
@@ -68,8 +60,6 @@ def read_whole(ckpt: Path, saved: dict, names: list[str], shapes: dict[str, torc
     optimizer's order (the same function builds it at every layout); ``shapes``: their whole shapes;
     ``experts``: the expert parameters' layout at the checkpoint's ``moe.ep_size``
     (``scaletrain.parallel.state.expert_layout``): each EP rank's part, joined here into the whole tensor."""
-    from scaletrain.engine import WholeState
-
     ckpt, experts = Path(ckpt), experts or {}
     model = merge_expert_shards(ckpt, _model_weights(ckpt))  # every EP rank's experts (their shard files)
     missing = [n for n in names if n not in model]
@@ -237,16 +227,6 @@ def _joined(ckpt: Path, pieces: dict, shapes: dict):
         masters[name] = whole.pop("fp32")
         moments[name] = whole
     return masters, moments
-
-
-def native_path_holds(saved: dict, now: dict) -> bool:
-    """The engine's own files load at layout ``now``: the same layout, or one where only the world size,
-    ``moe.ep_size`` or precision differ while the optimizer held whole parameters on both sides (the same
-    library at ZeRO-0 or Accelerate DDP: torch's optimizer state, expert shards resharded by ``experts.py``)."""
-    if saved == {k: now.get(k) for k in saved}:
-        return True
-    return (saved.get("backend") == now.get("backend") and int(saved.get("zero_stage") or 0) == 0
-            and int(now.get("zero_stage") or 0) == 0)
 
 
 def resume_at_layout(engine, ckpt: Path, saved: dict) -> None:

@@ -77,11 +77,14 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
     ], env)
     assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
     shutil.copytree(tmp_path / "one", tmp_path / "carry_up")
-    _launch(2, tmp_path, sh, [_job("one", 2 * N, Z0), _job("carry_up", N, Z2, whole=True),
+    p = _launch(2, tmp_path, sh, [_job("one", 2 * N, Z0), _job("carry_up", N, Z2, whole=True),
                               _job("carry_z3", N, Z3, whole=True),
                               _job("carry_bf16", N, Z2, "engine.precision=bf16", whole=True),
                               _job("carry_ep_z2", N, Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2",
                                    whole=True)], env)
+    # a change of the ZeRO stage alone (same world size) is said once, by rank 0, with the way it loads
+    said = (p.stdout + p.stderr).count("was written at another layout (zero_stage 2 -> 3): loaded through the whole state")
+    assert said == 1, (p.stdout + p.stderr)[-3000:]
     ep4 = [Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2"]  # 2 expert-data-parallel ranks per EP rank
     _launch(4, tmp_path, sh, [_job("quad", 2 * N, Z0), _job("ep4", N, *ep4, whole=True)], env)  # quad: 2x2 -> 4x1
     shutil.copytree(tmp_path / "ep4", tmp_path / "carry_from_ep4")
@@ -140,6 +143,8 @@ def test_resume_on_the_other_engine_carries_the_state(django_shards, tmp_path):
     p = run([sys.executable, REPLAY_DRIVER, str(tmp_path), sh, json.dumps([_job("ds_to_acc", N, *ddp, whole=True)])],
             env)
     assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
+    assert "was written at another layout (backend deepspeed -> accelerate/ddp; zero_stage 2 -> 0; world_size 2 -> 1)" \
+        in p.stdout + p.stderr
     assert _result(tmp_path, "acc_to_z2")["engine"] == "deepspeed" and _result(tmp_path, "ds_to_acc")["engine"] == \
         "accelerate/ddp"
     for saved, loaded in (("acc", "acc_to_z2"), ("ds", "ds_to_acc")):

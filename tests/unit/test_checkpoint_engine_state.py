@@ -82,3 +82,32 @@ def test_another_librarys_files_or_no_schedule_are_one_line(tmp_path):
     (tmp_path / "ck" / "engine.json").unlink()
     with pytest.raises(ScaletrainError, match=r"ck: no LR schedule position \(engine.json missing\)"):
         load_engine_state(eng, tmp_path / "ck")
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_a_resume_at_another_layout_says_what_changed_once_on_rank_0(tmp_path, monkeypatch, caplog, main):
+    """A ZeRO-stage change alone (the same world size) goes through the whole state and is said in one line on
+    rank 0, naming the key and both values; at the same layout nothing is said."""
+    import logging
+
+    import scaletrain.checkpoint.engine_state as es
+
+    eng = _trained()
+    save_engine_state(eng, tmp_path / "ck")
+    record = json.loads((tmp_path / "ck" / "engine.json").read_text())
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(eng, tmp_path / "ck")  # the same layout
+    assert "another layout" not in caplog.text
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "zero_stage": 2}))
+    loads = []
+    monkeypatch.setattr(es, "resume_at_layout", lambda engine, ckpt, saved: loads.append(saved["zero_stage"]))
+    monkeypatch.setattr(type(eng), "is_main", property(lambda self: main))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(eng, tmp_path / "ck")
+    assert loads == [2]  # through the whole state
+    lines = [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()]
+    if main:
+        assert len(lines) == 1 and "(zero_stage 2 -> 0): loaded through the whole state" in lines[0], lines
+    else:
+        assert lines == []
