@@ -14,6 +14,30 @@ os.environ["SCALETRAIN_AUTO_PRECISION"] = "fp32"
 USER_STATE = ("shards", "runs", "mlruns", "mlruns.db", "mlartifacts", "results", "wheels", "gpu_step_out")
 CACHES = {".pytest_cache", "__pycache__", ".hypothesis"}
 
+# Test files whose launched jobs take longest (measured on 2 cores, slowest first). ./test.sh hands whole files
+# to two pytest-xdist workers in collection order: these go first so that no long file starts last and runs
+# alone at the end. A file missing here only runs later; a name here that is no file is refused below.
+LONGEST_FIRST = (
+    "test_resume_any_layout", "test_moce_ep_training", "test_moe_ep_checkpoint", "test_compile_variants",
+    "test_checkpoint_resume", "test_checkpoint_safe_loading", "test_gpu_check_cpu", "test_tracking_outage",
+    "test_engine_equivalence", "test_moe_ep_training", "test_compare_models", "test_system_metrics",
+    "test_nonfinite_two_ranks", "test_compile_engines", "test_rank_crash", "test_learning",
+    "test_launch_quiet_start", "test_bootstrap", "test_moe_ep_eval",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/integration gets the ``integration`` mark (``./test.sh --quick`` leaves those
+    out but the ``quick`` one); files are ordered LONGEST_FIRST, the rest in pytest's order."""
+    names = {p.stem for p in (ROOT / "tests").rglob("test_*.py")}
+    unknown = sorted(set(LONGEST_FIRST) - names)
+    assert not unknown, f"tests/conftest.py LONGEST_FIRST names no test file: {unknown}"
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))  # stable: files stay whole
+
 
 def _checkout_state() -> dict:
     """The repository's top-level names and every file under USER_STATE with its size and mtime."""

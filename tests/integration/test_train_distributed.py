@@ -15,6 +15,7 @@ TINY = [
 
 
 @pytest.mark.slow
+@pytest.mark.quick  # the launched job of ./test.sh --quick
 def test_two_ranks_deepspeed_loss_falls_params_identical(django_shards, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
