@@ -4,7 +4,7 @@ A model with the `small` recipe's architecture (random weights: every line decod
 limit, so both sides do the same amount of work) is exported with `scaletrain export --format ct2`
 (float32, and int8 with `--quantization int8`); the django test lines into English (sources under
 180 bytes) are decoded greedily with at most ``--max-len`` bytes each by
-``scaletrain.eval.generate.translate_examples`` (what `translate` / `evaluate` use) and by
+``scaletrain.eval.requests.translate_examples`` (what `translate` / `evaluate` use) and by
 ``ctranslate2.Translator`` (``scaletrain.export.translate_ct2``), each on one thread. Printed:
 seconds per side and CTranslate2's speed-up.
 
@@ -35,7 +35,7 @@ def main() -> None:
     from scaletrain.export import export_ct2, translate_ct2
     from scaletrain.prepare import prepare_gettext
     from scaletrain.data.shards import read_split
-    from scaletrain.eval.generate import translate_examples
+    from scaletrain.eval.requests import translate_examples
     from scaletrain.models import build_model
     from scaletrain.vocab import ByteVocab
 

@@ -42,7 +42,7 @@ def main() -> int:
     from scaletrain.config import load_config
     from scaletrain.prepare import prepare_gettext
     from scaletrain.data.shards import read_split
-    from scaletrain.eval.generate import translate_examples
+    from scaletrain.eval.requests import translate_examples
     from scaletrain.models import build_model
     from scaletrain.vocab import ByteVocab
 
@@ -68,7 +68,7 @@ def main() -> int:
     print(f"{what}: {sum(p.numel() for p in model.parameters()):,} parameters; "
           f"{len(examples)} test lines; max length {ec.max_len_a} * src + {ec.max_len_b}; "
           f"torch threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.1f}")
-    from scaletrain.eval.generate import train_length_ratios
+    from scaletrain.eval.bounds import train_length_ratios
 
     ratios = train_length_ratios(manifest)
     modes = {"none": dict(stop_invalid_utf8=False), "utf8": dict(stop_invalid_utf8=True),

@@ -196,12 +196,12 @@ def full_forward_logprob(model, src_row, tag, tokens) -> float:
     ids decoding may emit)."""
     import torch
 
-    from scaletrain.eval import generate as G
+    from scaletrain.eval.decode_step import allowed_mask
     from scaletrain.vocab import EOS
 
     with torch.no_grad():
         lp = torch.log_softmax(model(src_row, torch.tensor([[tag] + tokens])).double()[0], -1)
-    lp = lp + G._allowed_mask(lp.shape[-1], "cpu", torch.float64)
+    lp = lp + allowed_mask(lp.shape[-1], "cpu", torch.float64)
     return float(sum(lp[t, tok] for t, tok in enumerate(tokens + [EOS])))
 
 

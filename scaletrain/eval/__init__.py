@@ -1,6 +1,9 @@
 """Evaluation: decoding, scoring, the ``evaluate`` and ``translate`` library code, in-training validation.
 
-* :mod:`scaletrain.eval.generate` - greedy and beam-search decoding; ``translate_examples``;
+* :mod:`scaletrain.eval.generate` - greedy and beam-search decoding (``generate``, ``generate_with_scores``), built
+  of ``decode_step`` (one decoder step, the hypothesis), ``beam`` (beam search), ``utf8_guard`` (the stop at
+  invalid UTF-8) and ``bounds`` (output length limits, ``decoding_bounds``);
+* :mod:`scaletrain.eval.requests` - ``translate_examples``: requests batched by length, translated in input order;
 * :mod:`scaletrain.eval.scoring` - sacrebleu BLEU/chrF per direction and language group, tables, JSON;
 * :mod:`scaletrain.eval.evaluate` - decode and score a split of a checkpoint (``scaletrain evaluate``);
 * :mod:`scaletrain.eval.translate` - translate raw lines and line streams (``scaletrain translate``);

@@ -19,7 +19,8 @@ from pathlib import Path
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.data.shards import load_manifest, read_split
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import decoding_bounds, translate_examples
+from scaletrain.eval.bounds import decoding_bounds
+from scaletrain.eval.requests import translate_examples
 from scaletrain.eval.in_training import first_n_per_direction
 from scaletrain.tracking.records import EvalSpec, checkpoint_label, headline_tag, record_dir, shards_label
 from scaletrain.eval.scoring import example_records, report_to_json, score_copy_baseline, score_directions

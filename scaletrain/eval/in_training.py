@@ -5,7 +5,7 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
 * :func:`first_n_per_direction` - the fixed subset: the first ``N`` lines of every direction, in shard
   order (the same lines at every evaluation and after a resume).
 * :class:`BleuValidator` - decodes the subset (greedy by default; with the bounds ``evaluate`` decodes with,
-  :func:`scaletrain.eval.generate.decoding_bounds`: length limits from the recipe and from training's
+  :func:`scaletrain.eval.bounds.decoding_bounds`: length limits from the recipe and from training's
   length ratios, the stop at invalid UTF-8) and scores it with
   :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
   averages). With several data-parallel ranks every one decodes its own share (lines ``dp_rank::dp_size``
@@ -33,7 +33,8 @@ import torch
 
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoding_bounds, translate_examples
+from scaletrain.eval.bounds import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoding_bounds
+from scaletrain.eval.requests import translate_examples
 from scaletrain.eval.scoring import Report, example_records, report_to_metrics, score_directions
 from scaletrain.vocab import ByteVocab
 
@@ -91,7 +92,7 @@ class BleuValidator:
 
     ``examples``: the subset (e.g. ``first_n_per_direction(read_split(shards, 'valid'), 100)``).
     ``beam``: 1 = greedy (default; cheap enough to run often). Decoding settings (``length_ratios`` too) as in
-    :func:`scaletrain.eval.generate.translate_examples`; scoring settings as in
+    :func:`scaletrain.eval.requests.translate_examples`; scoring settings as in
     :func:`scaletrain.eval.scoring.score_directions`.
     """
 
@@ -125,7 +126,7 @@ class BleuValidator:
     def for_run(cls, cfg, vocab: ByteVocab, n_per_direction: int, split: str = "valid", **kw) -> "BleuValidator":
         """The first ``n_per_direction`` lines per direction of ``split`` of ``cfg.data.shards``, decoding
         and scoring settings from ``cfg.eval`` (beam defaults to 1 = greedy; override with ``beam=``), decoded
-        within the bounds ``evaluate`` applies (:func:`~scaletrain.eval.generate.decoding_bounds`)."""
+        within the bounds ``evaluate`` applies (:func:`~scaletrain.eval.bounds.decoding_bounds`)."""
         from scaletrain.data.shards import read_split
 
         ec = cfg.eval

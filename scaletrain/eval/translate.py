@@ -93,7 +93,7 @@ def translate_lines(model, vocab, lines: list[bytes], src_lang: str, tgt_lang: s
 
     Empty lines map to empty texts without decoding; texts never contain ``\\n`` or ``\\r``."""
     from scaletrain.data.batch import Example
-    from scaletrain.eval.generate import translate_examples
+    from scaletrain.eval.requests import translate_examples
 
     s, t = vocab.lang_index(src_lang), vocab.lang_index(tgt_lang)
     todo = [i for i, ln in enumerate(lines) if ln.strip()]

@@ -15,6 +15,7 @@ import torch
 
 from helpers import ten_step_run, tiny_model, two_rank_training, valid_examples
 from scaletrain.eval import generate as G
+from scaletrain.eval.decode_step import allowed_mask
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate
@@ -53,7 +54,7 @@ def check_decoding(model, examples):
         assert len(toks) <= MAX_OUT and all(BYTE_OFFSET <= t < LANG_OFFSET for t in toks)
         with torch.no_grad():
             lg = model(one.src, torch.tensor([[int(one.tgt_in[0, 0])] + toks]))[0].double()
-        lp = torch.log_softmax(lg, -1) + G._allowed_mask(lg.shape[-1], "cpu", torch.float64)
+        lp = torch.log_softmax(lg, -1) + allowed_mask(lg.shape[-1], "cpu", torch.float64)
         picks = lp.argmax(-1).tolist()
         assert picks[: len(toks)] == toks, (i, picks, toks)
         if len(toks) < MAX_OUT:  # stopped by EOS, not by the length limit

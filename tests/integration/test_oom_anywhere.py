@@ -258,7 +258,7 @@ def test_evaluate_names_the_batch_and_batch_tokens_and_writes_no_record(tiny_ckp
 
 
 def test_translate_names_the_batch_and_what_stdout_already_holds(tiny_ckpt, monkeypatch, capsys):
-    import scaletrain.eval.generate as gen
+    import scaletrain.eval.generate as gen  # what translate_examples calls (eval/requests.py)
 
     real, calls = gen.generate_with_scores, [0]
 

@@ -21,6 +21,8 @@ import torch
 
 from helpers import ten_step_run, tiny_model, two_rank_training, valid_examples
 from scaletrain.eval import generate as G
+from scaletrain.eval.decode_step import allowed_mask
+from scaletrain.eval.requests import translate_examples
 from scaletrain.checkpoint import load_for_inference
 from scaletrain.config import load_config
 from scaletrain.data.batch import collate_arrays
@@ -63,7 +65,7 @@ def check_decoding(model, vocab, examples):
         assert len(toks) <= MAX_OUT and all(4 <= t < vocab.lang_offset for t in toks)
         with torch.no_grad():
             lg = model(batch.src[i : i + 1], torch.tensor([[int(tags[i])] + toks]))[0].double()
-        lp = torch.log_softmax(lg, -1) + G._allowed_mask(lg.shape[-1], "cpu", torch.float64, vocab.lang_offset)
+        lp = torch.log_softmax(lg, -1) + allowed_mask(lg.shape[-1], "cpu", torch.float64, vocab.lang_offset)
         picks = lp.argmax(-1).tolist()
         assert picks[: len(toks)] == toks
         if len(toks) < MAX_OUT:
@@ -100,7 +102,7 @@ def test_subword_recipes_train_save_load_decode(recipe, spm_shards, tmp_path, is
     exs = valid_examples(spm_shards, 5)
     check_decoding(model, vocab, exs)
     # translate_examples tokenizes with the checkpoint's vocabulary and decodes pieces to text
-    tr = G.translate_examples(model, exs, vocab, batch_tokens=2000, beam=2, max_len_a=0, max_len_b=MAX_OUT)
+    tr = translate_examples(model, exs, vocab, batch_tokens=2000, beam=2, max_len_a=0, max_len_b=MAX_OUT)
     assert len(tr.texts) == len(exs) and all(isinstance(t, str) for t in tr.texts)
     assert tr.texts == [vocab.decode(t) for t in tr.tokens]
 

@@ -13,7 +13,7 @@ import torch
 from scaletrain.eval import scoring as M
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
-from scaletrain.eval.generate import translate_examples
+from scaletrain.eval.requests import translate_examples
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.eval.in_training import BestCheckpoint, BleuValidator, first_n_per_direction
 from scaletrain.vocab import BYTE_OFFSET, ByteVocab
@@ -119,7 +119,7 @@ def test_validator_for_run_decodes_within_the_bounds_evaluate_uses(django_shards
     ends stops at the limit from training's length ratio, not at max_len_a * src + max_len_b."""
     from scaletrain.config import load_config
     from scaletrain.data.shards import load_manifest
-    from scaletrain.eval.generate import RATIO_EXTRA, RATIO_SLACK, decoding_bounds, train_length_ratios
+    from scaletrain.eval.bounds import RATIO_EXTRA, RATIO_SLACK, decoding_bounds, train_length_ratios
 
     cfg = load_config("small", [f"data.shards={django_shards}"])
     vocab = ByteVocab(load_manifest(django_shards).languages)

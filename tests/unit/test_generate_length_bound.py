@@ -9,7 +9,8 @@ import torch
 
 from scaletrain.data.batch import Example
 from scaletrain.data.shards import DirectionStats, Manifest, SplitInfo
-from scaletrain.eval import generate as G
+from scaletrain.eval.bounds import train_length_ratios
+from scaletrain.eval.requests import translate_examples
 from scaletrain.vocab import BYTE_OFFSET, EOS, ByteVocab
 from toy_decoders import LogitsOnly
 
@@ -39,22 +40,22 @@ RATIOS = {(0, 1): 1.2, (1, 0): 0.8, (0, 2): 3.4}  # my->pt-br: no ratio, so no l
 
 def test_a_model_that_never_ends_stops_at_the_training_ratio_limit():
     for beam in (1, 3):
-        res = G.translate_examples(Babbler(), EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0,
+        res = translate_examples(Babbler(), EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0,
                                    max_len_b=60, length_ratios=RATIOS)
         want = [math.ceil(2 * 1.2 * 13 + 20), math.ceil(2 * 0.8 * len(EXS[1].src) + 20),
                 min(math.ceil(2 * 3.4 * 200 + 20), 4 * 200 + 60, 1023), 4 * 2 + 60]
         assert [len(t) for t in res.tokens] == want
         assert res.at_limit == [True] * 4 and res.n_at_limit == 4
-        off = G.translate_examples(Babbler(), EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0, max_len_b=60)
+        off = translate_examples(Babbler(), EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0, max_len_b=60)
         assert [len(t) for t in off.tokens] == [min(4 * len(e.src) + 60, 1023) for e in EXS] and off.n_at_limit == 4
 
 
 def test_outputs_that_end_before_the_limit_are_unchanged():
     model = Babbler(eos_at=7)
     for beam in (1, 3):
-        on = G.translate_examples(model, EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0, max_len_b=60,
+        on = translate_examples(model, EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0, max_len_b=60,
                                   length_ratios=RATIOS)
-        off = G.translate_examples(model, EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0, max_len_b=60)
+        off = translate_examples(model, EXS, VOCAB, batch_tokens=4000, beam=beam, max_len_a=4.0, max_len_b=60)
         assert on.tokens == off.tokens and on.texts == off.texts == ["bbbbbbb"] * 4
         assert on.n_at_limit == 0
 
@@ -64,4 +65,4 @@ def test_train_length_ratios_read_the_manifest_train_split():
                               "en-my": DirectionStats(2, 10, 34), "my-en": DirectionStats(0, 0, 0)})
     test = SplitInfo(0, [], {"en-my": DirectionStats(1, 10, 999)})  # never looked at
     m = Manifest(languages=VOCAB.langs, splits={"train": train, "test": test})
-    assert G.train_length_ratios(m) == {(0, 1): 1.2, (1, 0): 100 / 120, (0, 2): 3.4}
+    assert train_length_ratios(m) == {(0, 1): 1.2, (1, 0): 100 / 120, (0, 2): 3.4}

@@ -6,6 +6,8 @@ import torch
 
 from helpers import full_forward_logprob
 from scaletrain.eval import generate as G
+from scaletrain.eval.decode_step import allowed_mask
+from scaletrain.eval.requests import translate_examples
 from scaletrain.data.batch import Example, collate
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, ByteVocab
@@ -46,7 +48,7 @@ def test_real_model_greedy_beam_batch(arch):
         for _ in range(5):
             with torch.no_grad():
                 lg = model(one.src, torch.cat([one.tgt_in[:, :1], torch.tensor([out], dtype=torch.long)], 1))[0, -1]
-            tok = int((torch.log_softmax(lg.double(), -1) + G._allowed_mask(lg.shape[-1], "cpu", torch.float64)).argmax())
+            tok = int((torch.log_softmax(lg.double(), -1) + allowed_mask(lg.shape[-1], "cpu", torch.float64)).argmax())
             if tok == EOS:
                 break
             out.append(tok)
@@ -59,7 +61,7 @@ def test_real_model_greedy_beam_batch(arch):
 
 def test_real_model_translate_then_keep_training():
     model = tiny("moce")
-    res = G.translate_examples(model, EXAMPLES, VOCAB, batch_tokens=64, beam=2, max_len_a=0, max_len_b=4)
+    res = translate_examples(model, EXAMPLES, VOCAB, batch_tokens=64, beam=2, max_len_a=0, max_len_b=4)
     assert len(res.texts) == len(EXAMPLES) and all(len(t) <= 4 for t in res.tokens)
     # decoding leaves no inference-mode tensors behind: training (with routing statistics) still works
     model.train()

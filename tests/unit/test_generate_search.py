@@ -10,6 +10,10 @@ import torch
 from torch import nn
 
 from scaletrain.eval import generate as G
+from scaletrain.eval.beam import beam_search
+from scaletrain.eval.bounds import max_output_lengths
+from scaletrain.eval.decode_step import allowed_mask
+from scaletrain.eval.requests import translate_examples
 from scaletrain.data.batch import Example, collate
 from scaletrain.data.batching import decode_batches
 from scaletrain.errors import ScaletrainError
@@ -107,7 +111,7 @@ def seq_logprob(model, src_row, tag, out_tokens) -> float:
     tgt_in = torch.tensor([[tag] + list(out_tokens)])
     with torch.no_grad():
         lp = torch.log_softmax(model(src_row, tgt_in).double(), -1)[0]
-    mask = G._allowed_mask(V, "cpu", torch.float64)
+    mask = allowed_mask(V, "cpu", torch.float64)
     lp = lp + mask
     targets = list(out_tokens) + [EOS]
     return float(sum(lp[t, tok] for t, tok in enumerate(targets)))
@@ -123,7 +127,7 @@ def exhaustive_best(model, src_row, tag, max_len, lenpen, min_len=0):
     tgt_in = torch.tensor([[tag] + q + [A] * (max_len - len(q)) for q in seqs])  # filler after the end is causal-safe
     with torch.no_grad():
         lp = torch.log_softmax(model(src_row.expand(len(seqs), -1), tgt_in).double(), -1)
-    lp = lp + G._allowed_mask(V, "cpu", torch.float64)
+    lp = lp + allowed_mask(V, "cpu", torch.float64)
     best = None
     for r, q in enumerate(seqs):
         total = float(sum(lp[r, t, tok] for t, tok in enumerate(q + [EOS])))
@@ -168,7 +172,7 @@ def test_beam_respects_min_len_against_exhaustive():
 
 def manual_greedy(model, src_row, tag, max_len, min_len=0):
     out = []
-    mask = G._allowed_mask(V, "cpu", torch.float64)
+    mask = allowed_mask(V, "cpu", torch.float64)
     while True:
         with torch.no_grad():
             lp = torch.log_softmax(model(src_row, torch.tensor([[tag] + out])).double()[0, -1], -1) + mask
@@ -198,16 +202,16 @@ def test_greedy_matches_full_forward_argmax_and_beam1_path():
     model = ToyModel(seed=1, bias=torch.zeros(V).index_fill(0, torch.tensor([EOS]), 8.0))
     srcs, src, tags = _random_batch(0)
     greedy = G.generate(model, src, tags, beam=1, max_len_a=0.5, max_len_b=6)
-    max_lens = G.max_output_lengths(src, 0.5, 6).tolist()
+    max_lens = max_output_lengths(src, 0.5, 6).tolist()
     for i in range(len(srcs)):
         single = make_src(int(src[i, 0]) - LANG_OFFSET, srcs[i])
         assert greedy[i] == manual_greedy(model, single, int(tags[i]), max_lens[i])
     # the general beam-search code with one beam gives the same tokens and scores as the greedy fast path
     for lenpen in (0.5, 1.0, 2.0):
         with torch.no_grad():
-            ml = G.max_output_lengths(src, 0.5, 6)
+            ml = max_output_lengths(src, 0.5, 6)
             a = G._greedy(model, src, tags, ml, 0, lenpen)
-            b = G._beam_search(model, src, tags, ml, 0, 1, lenpen)
+            b = beam_search(model, src, tags, ml, 0, 1, lenpen)
         assert [h.tokens for h in a] == [h.tokens for h in b] == greedy
         for ha, hb in zip(a, b):
             assert ha.score == pytest.approx(hb.score, abs=1e-4)
@@ -254,7 +258,7 @@ def test_max_len_respected_and_reached(beam):
 
 def test_default_length_limit_leaves_room_for_long_scripts():
     src = make_src(0, b"x" * 100)
-    lim = int(G.max_output_lengths(src)[0])
+    lim = int(max_output_lengths(src)[0])
     assert lim >= 3 * 100 + 200  # a 3x UTF-8 expansion of a 100-byte English sentence still fits
 
 
@@ -335,7 +339,7 @@ def test_translate_examples_restores_order_and_counts_invalid():
         L = int(torch.randint(0, 15, (1,), generator=g))
         exs.append(Example(i % 3, (i + 1) % 3, bytes(torch.randint(97, 123, (L,), generator=g).tolist()), b"ref"))
     done = []
-    res = G.translate_examples(model, exs, vocab, batch_tokens=60, beam=2, max_len_a=0.5, max_len_b=4,
+    res = translate_examples(model, exs, vocab, batch_tokens=60, beam=2, max_len_a=0.5, max_len_b=4,
                                progress=done.append, stop_invalid_utf8=False)
     assert sum(done) == len(exs) and len(done) > 1  # several batches
     for ex, toks, text, inv in zip(exs, res.tokens, res.texts, res.invalid):
@@ -347,7 +351,7 @@ def test_translate_examples_restores_order_and_counts_invalid():
     # a model that can only say byte 0xFF (never valid UTF-8): every byte is one invalid sequence
     ff = ToyModel(seed=9, allowed={BYTE_OFFSET + 0xFF, EOS},
                   bias=torch.zeros(V).index_fill(0, torch.tensor([EOS]), -30.0))
-    res = G.translate_examples(ff, exs[:3], vocab, batch_tokens=1000, beam=1, max_len_a=0, max_len_b=2,
+    res = translate_examples(ff, exs[:3], vocab, batch_tokens=1000, beam=1, max_len_a=0, max_len_b=2,
                                stop_invalid_utf8=False)
     assert res.texts == ["\ufffd\ufffd"] * 3
     assert res.invalid == [2, 2, 2] and res.n_invalid == 6 and res.n_invalid_lines == 3
@@ -357,7 +361,7 @@ def test_translate_examples_truncates_long_sources_instead_of_dropping():
     vocab = ByteVocab(LANGS)
     model = ToyModel(seed=10, max_positions=16, bias=torch.zeros(V).index_fill(0, torch.tensor([EOS]), 1.0))
     exs = [Example(0, 1, b"a" * 40, b""), Example(0, 2, b"bc", b"")]
-    res = G.translate_examples(model, exs, vocab, batch_tokens=500, beam=3, max_len_a=0, max_len_b=50)
+    res = translate_examples(model, exs, vocab, batch_tokens=500, beam=3, max_len_a=0, max_len_b=50)
     assert len(res.texts) == 2
     assert all(len(t) <= 15 for t in res.tokens)  # capped by max_positions - 1
     # the long source was cut to max_positions - 2 bytes (tag + EOS fit)

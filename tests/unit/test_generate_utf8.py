@@ -12,6 +12,8 @@ from torch import nn
 
 from scaletrain.data.batch import Example, collate
 from scaletrain.eval import generate as G
+from scaletrain.eval.requests import translate_examples
+from scaletrain.eval.utf8_guard import HostUtf8Guard, Utf8Guard, complete_prefix
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.vocab import BYTE_OFFSET, EOS, LANG_OFFSET, ByteVocab
 from toy_decoders import LogitsOnly
@@ -45,7 +47,7 @@ def completable(prefix: bytes) -> bool:
 def first_bad(data: bytes) -> int | None:
     """Index of the first byte at which ``data[:i+1]`` can no longer be completed, by the guard of beam
     search (on the device); the host guard of greedy decoding must agree."""
-    guard, host = G._Utf8Guard(1, "cpu"), G._HostUtf8Guard(1)
+    guard, host = Utf8Guard(1, "cpu"), HostUtf8Guard(1)
     found = None
     for i, b in enumerate(data):
         ok, guard.state = guard.next(None, torch.tensor([b + BYTE_OFFSET]))
@@ -79,8 +81,8 @@ def test_guard_matches_python_decoder_on_valid_and_random_bytes():
     ([0xF0, 0x9F, 0x99, 0x82], [0xF0, 0x9F, 0x99, 0x82]), ([0xF0, 0x9F, 0x99], []), ([], [])])
 def test_complete_prefix_drops_an_unfinished_last_character(toks, want):
     ids = [t + BYTE_OFFSET for t in toks]
-    assert G.complete_prefix(ids) == [t + BYTE_OFFSET for t in want]
-    assert G.complete_prefix(ids + [LANG_OFFSET - 1 + 500]) == ids + [LANG_OFFSET - 1 + 500]  # a piece ends it
+    assert complete_prefix(ids) == [t + BYTE_OFFSET for t in want]
+    assert complete_prefix(ids + [LANG_OFFSET - 1 + 500]) == ids + [LANG_OFFSET - 1 + 500]  # a piece ends it
 
 
 class Utf8Writer(nn.Module):
@@ -170,14 +172,14 @@ def test_a_model_forced_into_an_invalid_sequence_stops_there_and_is_counted(beam
     script = "aé".encode() + b"\xe4A" + b"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"  # E4 then 'A': invalid at byte 4
     model = Script(script, allowed=b"abA\xc3\xa9\xe4\xb8\xad")
     exs = [Example(0, 1, b"xyz", b"ref"), Example(1, 0, b"q", b"ref")]
-    res = G.translate_examples(model, exs, VOCAB, batch_tokens=1000, beam=beam, max_len_a=0, max_len_b=60)
+    res = translate_examples(model, exs, VOCAB, batch_tokens=1000, beam=beam, max_len_a=0, max_len_b=60)
     assert res.cut == [True, True] and res.n_cut == 2 and res.n_invalid == 0
     if beam == 1:
         assert res.texts == ["aé", "aé"]  # stopped before 'A', the unfinished E4 trimmed
     assert all("\ufffd" not in t for t in res.texts)
     assert model.steps < 20  # far from the 60-byte limit
     model.steps = 0
-    off = G.translate_examples(model, exs, VOCAB, batch_tokens=1000, beam=beam, max_len_a=0, max_len_b=60,
+    off = translate_examples(model, exs, VOCAB, batch_tokens=1000, beam=beam, max_len_a=0, max_len_b=60,
                                stop_invalid_utf8=False)
     assert off.n_cut == 0 and off.n_invalid_lines == 2 and model.steps >= 60  # without: to the length limit
 
