@@ -32,7 +32,7 @@ import pytest
 from mlflow import MlflowClient
 from tracking_server import Server  # tests/integration/tracking_server.py
 
-from helpers import tiny_model
+from helpers import ROOT, tiny_model
 
 pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env")  # trains in this process
 
@@ -156,7 +156,10 @@ def _check_run_page(page: str, run, child, ds) -> None:
     for step in (2, 4):  # a model per checkpoint (keep_last deleted step 2's), at its step, validated on the corpus
         row = rf"Output {step} #\w+ small-step-{step} Ready .{{0,40}} - {re.escape(ds.name)} \(#{ds.digest}\)"
         assert re.search(row, page), (row, page)
-    commit = tags.get("mlflow.source.git.commit", "")  # the command, with the branch and commit beside it
+    # the command, with the branch and commit beside it: the commit this checkout is at (a missing tag fails)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = tags.get("mlflow.source.git.commit", "")
+    assert commit == head and len(head) == 40, (commit, head)
     assert re.search(rf"Source scaletrain train (\S+ )?{commit[:7]}", page), page
 
 
