@@ -157,7 +157,8 @@ def _check_run_page(page: str, run, child, ds) -> None:
         row = rf"Output {step} #\w+ small-step-{step} Ready .{{0,40}} - {re.escape(ds.name)} \(#{ds.digest}\)"
         assert re.search(row, page), (row, page)
     commit = tags.get("mlflow.source.git.commit", "")  # the command, with the branch and commit beside it
-    assert re.search(rf"Source scaletrain train (\S+ )?{commit[:7]}", page), page
+    assert re.fullmatch(r"[0-9a-f]{40}", commit), f"the run has no git commit tag (got {commit!r})"
+    assert re.search(rf"Source scaletrain train (\S+ )?{commit[:7]}\b", page), page
 
 
 def _check_experiment_page(runs: str, run, ds) -> None:
