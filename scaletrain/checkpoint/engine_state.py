@@ -34,7 +34,6 @@ import torch
 
 from scaletrain.checkpoint.deepspeed_files import load_native, model_states_file
 from scaletrain.checkpoint.experts import expert_checkpoint_load, save_expert_shard
-from scaletrain.checkpoint.reshard import native_path_holds, resume_at_layout
 from scaletrain.errors import ScaletrainError
 from scaletrain.fileio import atomic_write_text, default_mode
 from scaletrain.parallel.state import owned_params
@@ -83,7 +82,10 @@ def save_engine_state(engine, ckpt: Path) -> None:
 def load_engine_state(engine, ckpt: Path) -> None:
     """Put ``engine`` back in the state ``ckpt`` holds (every rank). Expert shards: this rank's, or every
     shard resharded for another ``moe.ep_size`` where the engine keeps whole parameters (not ZeRO-1/2)."""
+    from scaletrain.checkpoint.reshard import native_path_holds, resume_at_layout, say_layout_change  # reads our names
+
     ckpt = Path(ckpt)
+
     record = saved_layout(ckpt)
     if record is not None:  # another layout: through the whole state (reshard.py)
         saved = {k: record.get(k) for k in LAYOUT_KEYS}
@@ -91,6 +93,7 @@ def load_engine_state(engine, ckpt: Path) -> None:
             resume_at_layout(engine, ckpt, saved)
             engine.schedule.load_state_dict(record["schedule"])
             return
+        say_layout_change(engine, ckpt, saved, "the engine's own files, resharded where needed")
     _check_written_by(engine, ckpt)
     schedule = saved_schedule(ckpt)
     if schedule is None:

@@ -39,21 +39,20 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.deepspeed_files import consolidated_weights, model_states_file
+from scaletrain.checkpoint.engine_state import LAYOUT_KEYS, MODEL_FILE, OPTIMIZER_FILE
 from scaletrain.checkpoint.experts import joined_shards, merge_expert_shards
+from scaletrain.engine.engine import MOMENTS
 from scaletrain.parallel.state import expert_layout, join_parts
 from scaletrain.errors import ScaletrainError
 from scaletrain.safeload import safe_torch_load
 
 log = logging.getLogger("scaletrain")
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.bin"  # as engine_state.py writes them
 
 
 def layout_changes(saved: dict, now: dict) -> list[str]:
     """The layout keys that differ between a checkpoint's ``engine.json`` record and this run's layout, as
     ``key a -> b`` (precision included)."""
-    keys = ("backend", "zero_stage", "world_size", "ep_size", "precision")
-    return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
+    return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != now.get(k)]
 
 
 def _zero_files(ckpt: Path) -> list[Path]:
@@ -249,8 +248,18 @@ def native_path_holds(saved: dict, now: dict) -> bool:
             and int(now.get("zero_stage") or 0) == 0)
 
 
+def say_layout_change(engine, ckpt: Path, saved: dict, how: str) -> None:
+    """One log line on rank 0 naming what changed between ``saved`` and the engine's layout (nothing when
+    the layout is the same)."""
+    changes = layout_changes(saved, engine.layout())
+    if changes and engine.is_main:
+        log.info("resume of %s at another layout: %s; %s", Path(ckpt).name, ", ".join(changes), how)
+
+
 def resume_at_layout(engine, ckpt: Path, saved: dict) -> None:
-    """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state."""
+    """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state; rank 0
+    says once in the log what changed."""
+    say_layout_change(engine, ckpt, saved, "through the whole state")
     trainable = engine.trainable()
     experts = expert_layout(engine.module, int(saved.get("ep_size") or 1))
     shapes = {n: torch.Size(experts[n][0]) if n in experts else _whole_shape(p) for n, p in trainable.items()}

@@ -6,6 +6,7 @@ library's checkpoint or one without a schedule position is refused in one line."
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -82,3 +83,34 @@ def test_another_librarys_files_or_no_schedule_are_one_line(tmp_path):
     (tmp_path / "ck" / "engine.json").unlink()
     with pytest.raises(ScaletrainError, match=r"ck: no LR schedule position \(engine.json missing\)"):
         load_engine_state(eng, tmp_path / "ck")
+
+
+def test_a_resume_at_another_engine_or_precision_says_what_changed_once(tmp_path, caplog):
+    """Same world size, another engine: through the whole state (reshard.py), the same weights and moments,
+    and one log line naming the change; another precision on the same engine: the engine's own files, one
+    line; the same layout: no line."""
+    eng = _trained()
+    save_engine_state(eng, tmp_path / "ck")
+    record = json.loads((tmp_path / "ck" / "engine.json").read_text())
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "backend": "deepspeed"}))
+    fresh = _trained(seed=1, updates=0)
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(fresh, tmp_path / "ck")
+    said = [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()]
+    assert said == ["resume of ck at another layout: backend deepspeed -> local; through the whole state"]
+    assert _same(fresh, eng) and fresh.schedule.state_dict() == {"applied": 3}
+    for p, q in zip(fresh.optimizer.state.values(), eng.optimizer.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in ("exp_avg", "exp_avg_sq"))
+    caplog.clear()
+    other = "bf16" if record["precision"] != "bf16" else "fp32"
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "precision": other}))
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(_trained(seed=1, updates=0), tmp_path / "ck")
+    said = [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()]
+    assert said == [f"resume of ck at another layout: precision {other} -> {record['precision']}; the engine's own "
+                    "files, resharded where needed"]
+    caplog.clear()
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps(record))
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(_trained(seed=1, updates=0), tmp_path / "ck")
+    assert not [r for r in caplog.records if "another layout" in r.getMessage()]
