@@ -176,3 +176,24 @@ def test_zero_norm_hook_withholds_a_non_finite_update_on_the_device(zero1_engine
     assert float(eng.backend._hook.flag) == 1.0 and info.skipped and info.nonfinite
     info = _update(eng)  # and training goes on
     assert not info.skipped and all(torch.isfinite(t).all() for t in eng.whole_state().masters.values())
+
+
+def test_a_zero1_checkpoint_is_read_back_whole_through_its_partition_keys(zero1_engine, tmp_path):
+    """``zero12_partition`` (``param_slice_mappings``, ``single_partition_of_fp32_groups``): the whole state
+    ``checkpoint.reshard`` joins from the files DeepSpeed writes is the state the engine holds, bitwise. (ZeRO-3's
+    ``fp32_flat_groups`` / ``param_shapes`` / ``ds_shape`` are exercised by the ZeRO-3 cases of
+    ``tests/integration/test_resume_any_layout.py``.)"""
+    from scaletrain.checkpoint.reshard import read_whole
+
+    eng = zero1_engine
+    _update(eng)
+    eng.save_native(tmp_path / "ck")
+    names = eng.trainable()
+    assert not dsi.zero3_partitioned(eng.module)
+    shapes = {n: dsi.whole_shape(p) for n, p in names.items()}
+    model, whole = read_whole(tmp_path / "ck", {"zero_stage": 1, "ep_size": 1}, list(names), shapes)
+    held = eng.whole_state()
+    assert whole.step == held.step and whole.step is not None
+    for n in names:
+        assert torch.equal(whole.masters[n], held.masters[n]), n
+        assert all(torch.equal(whole.moments[n][k], held.moments[n][k]) for k in held.moments[n]), n
