@@ -8,8 +8,8 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
   :func:`scaletrain.eval.generate.decoding_bounds`: length limits from the recipe and from training's
   length ratios, the stop at invalid UTF-8) and scores it with
   :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
-  averages). With several data-parallel ranks every one decodes its own share (lines ``dp_rank::dp_size``
-  of the parallel context), the hypotheses are all-gathered over the data-parallel group, and every rank scores the complete subset, so all ranks hold the same
+  averages). With several ranks (all data parallel) every one decodes its own share (lines ``rank::world_size``
+  of the parallel context), the hypotheses are all-gathered over every rank, and every rank scores the complete subset, so all ranks hold the same
   numbers (and can take the same early-stopping decision) and the result equals a single-process run.
 * The module to decode with comes from ``Engine.inference_module()``: the engine alone knows whether its
   parameters are partitioned (ZeRO-3) and a full copy must be gathered first.
