@@ -242,3 +242,23 @@ def test_loaders_split_by_the_parallel_contexts_rank(shards):
         ref = ShardStream(shards, "valid", rank=world_rank, world_size=2, seed=0, epochs=1, max_tokens=700,
                           max_bytes=64)
         assert len(valid) > 1 and all(torch.equal(x, y.src) for x, y in zip(valid, ref))
+
+
+def test_a_regroup_that_drops_or_repeats_batches_says_so(caplog):
+    """The rest of a window regrouped for another slot count: batches split where they can be; where the
+    examples are too few to split (one-example batches) the shortfall is repeated, with ``drop_last`` the surplus
+    dropped, and each says so in one warning with the count; an even regroup says nothing."""
+    from scaletrain.data.stream import WindowPlanner
+
+    ones = [(s, np.array([i])) for i, s in enumerate((0, 1, 0))]
+    with caplog.at_level("WARNING", logger="scaletrain.data.stream"):
+        out = WindowPlanner._regroup(SimpleNamespace(drop_last=False), ones, 2)
+        assert len(out) == 4 and out[3] == ones[0]
+        assert WindowPlanner._regroup(SimpleNamespace(drop_last=True), ones, 2) == ones[:2]
+        assert len(WindowPlanner._regroup(SimpleNamespace(drop_last=False), [(0, np.arange(4))] * 3, 2)) == 4
+        assert WindowPlanner._regroup(SimpleNamespace(drop_last=False), ones, 2, say=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["data stream: regrouping 3 batch(es) 2 to an update repeats 1 batch(es) (too few examples left "
+                    "to split); those examples are read twice in this epoch",
+                    "data stream: regrouping 3 batch(es) 2 to an update drops the last 1 (data.drop_last); their "
+                    "examples are not read in this epoch"]
