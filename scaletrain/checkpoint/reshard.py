@@ -262,7 +262,10 @@ def say_layout_change(engine, ckpt: Path, saved: dict, how: str) -> None:
 def resume_at_layout(engine, ckpt: Path, saved: dict) -> None:
     """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state; rank 0
     says once in the log what changed."""
-    say_layout_change(engine, ckpt, saved, "through the whole state")
+    scale = engine.loss_scale()
+    say_layout_change(engine, ckpt, saved, "through the whole state" + (
+        "" if scale is None else f"; the fp16 loss scale restarts at {scale:g} (not carried): the first updates may "
+        "be skipped as overflows while it comes down"))
     trainable = engine.trainable()
     experts = expert_layout(engine.module, int(saved.get("ep_size") or 1))
     shapes = {n: torch.Size(experts[n][0]) if n in experts else whole_shape(p) for n, p in trainable.items()}

@@ -102,6 +102,14 @@ def test_a_resume_at_another_engine_or_precision_says_what_changed_once(tmp_path
     for p, q in zip(fresh.optimizer.state.values(), eng.optimizer.state.values()):
         assert all(torch.equal(p[k], q[k]) for k in ("exp_avg", "exp_avg_sq"))
     caplog.clear()
+    fp16 = _trained(seed=1, updates=0)
+    fp16.loss_scale = lambda: 65536.0  # an fp16 engine's: the scale is not carried through the whole state
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(fp16, tmp_path / "ck")
+    assert [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()] == [
+        "resume of ck at another layout: backend deepspeed -> local; through the whole state; the fp16 loss scale "
+        "restarts at 65536 (not carried): the first updates may be skipped as overflows while it comes down"]
+    caplog.clear()
     other = "bf16" if record["precision"] != "bf16" else "fp32"
     (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "precision": other}))
     with caplog.at_level(logging.INFO, logger="scaletrain"):
