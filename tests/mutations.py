@@ -112,10 +112,10 @@ FAULTS = (
           ("tests/integration/test_tracking_browser.py",),
           "runs carry no git commit, branch or repository (the UI shows no commit beside the source)"),
     Fault("layout-change-said", "resume at another layout", "scaletrain/checkpoint/engine_state.py",
-          "        say_layout_change(engine, ckpt, saved, whole)\n",
+          "        say_layout_change(engine, ckpt, saved, \"the engine's own files, resharded where needed\")\n",
           "        pass\n",
           ("tests/unit/test_checkpoint_engine_state.py",),
-          "a resume at another ZeRO stage or engine says nothing of the change in the log"),
+          "a resume at another precision or world size through the engine's own files says nothing of the change"),
 )
 
 

@@ -84,14 +84,13 @@ def load_engine_state(engine, ckpt: Path) -> None:
     shard resharded for another ``moe.ep_size`` where the engine keeps whole parameters (not ZeRO-1/2)."""
     ckpt = Path(ckpt)
     record = saved_layout(ckpt)
-    if record is not None:  # another layout: through the whole state (reshard.py)
+    if record is not None:  # another layout: through the whole state (reshard.py), which says what changed
         saved = {k: record.get(k) for k in LAYOUT_KEYS}
-        whole = not native_path_holds(saved, engine.layout())
-        say_layout_change(engine, ckpt, saved, whole)
-        if whole:
+        if not native_path_holds(saved, engine.layout()):
             resume_at_layout(engine, ckpt, saved)
             engine.schedule.load_state_dict(record["schedule"])
             return
+        say_layout_change(engine, ckpt, saved, "the engine's own files, resharded where needed")
     _check_written_by(engine, ckpt)
     schedule = saved_schedule(ckpt)
     if schedule is None:

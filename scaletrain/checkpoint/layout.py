@@ -42,13 +42,12 @@ def layout_changes(saved: dict, now: dict) -> list[str]:
     return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != now.get(k)]
 
 
-def say_layout_change(engine, ckpt: Path, saved: dict, whole: bool) -> None:
-    """One log line on rank 0 naming every layout key that differs from the checkpoint's, and the way it loads."""
+def say_layout_change(engine, ckpt: Path, saved: dict, how: str) -> None:
+    """One log line on rank 0 naming every layout key that differs between ``saved`` and the engine's layout,
+    and ``how`` the checkpoint loads (nothing when the layout is the same)."""
     changes = layout_changes(saved, engine.layout())
     if changes and engine.is_main:
-        how = ("through the whole state: weights, fp32 master weights, Adam moments and step count made whole by "
-               "name and cut to this layout" if whole else "through the engine's own files (whole parameters)")
-        log.info("%s was written at another layout (%s): loaded %s", ckpt, "; ".join(changes), how)
+        log.info("resume of %s at another layout: %s; %s", Path(ckpt).name, ", ".join(changes), how)
 
 
 def native_path_holds(saved: dict, now: dict) -> bool:

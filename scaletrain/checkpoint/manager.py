@@ -16,6 +16,7 @@ Layout of a run directory::
                      vocab.json, *.model  a SentencePiece vocabulary's record and model (subword runs only)
                      index.json        sha256 and size of every file above, written last
     OUT/checkpoints/latest             name of the newest complete checkpoint
+    OUT/checkpoints/best/              the best checkpoint's files as hard links, best.json (keep_copy)
 
 A checkpoint is written under ``step-N.partial`` and renamed when every rank has finished, then
 ``latest`` is replaced atomically: a crash during a save leaves the previous checkpoint loadable and
@@ -393,3 +394,31 @@ def copy_vocab_files(src_ckpt: Path, dst_dir: Path) -> None:
     info = json.loads(meta.read_text())
     shutil.copyfile(Path(src_ckpt) / info["file"], Path(dst_dir) / info["file"])
     shutil.copyfile(meta, Path(dst_dir) / VOCAB_FILE)
+
+
+def keep_copy(ckpt_dir: str | Path, dst: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Make ``dst`` a copy of the complete checkpoint ``ckpt_dir`` (hard links, so no bytes are copied and
+    it outlives the rotation of ``ckpt_dir``; files copied where links are impossible), with ``extra``'s
+    ``{file name: JSON value}`` written beside its files (``best``: ``best.json``). Atomic: a reader sees
+    the old ``dst`` or the new one, never a mix."""
+    src, dst = Path(ckpt_dir), Path(dst)
+    if not (src / "trainer_state.json").is_file():
+        raise ScaletrainError(f"{src} is not a complete checkpoint (no trainer_state.json); save it before keeping a copy")
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link_or_copy(s, d):
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, tmp, copy_function=link_or_copy)
+    for name, value in (extra or {}).items():
+        (tmp / name).write_text(json.dumps(value, indent=2))
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    return dst

@@ -38,8 +38,10 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.deepspeed_files import consolidated_weights, model_states_file
-from scaletrain.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE
 from scaletrain.checkpoint.experts import joined_shards, merge_expert_shards
+from scaletrain.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE, say_layout_change
+from scaletrain.engine.deepspeed_internals import (whole_shape, zero3_flat_groups, zero3_param_shapes,
+                                                   zero12_partition)
 from scaletrain.engine import WholeState
 from scaletrain.engine.engine import MOMENTS
 from scaletrain.parallel.state import expert_layout, join_parts
@@ -156,8 +158,9 @@ def _zero12_state(ckpt: Path, names: list[str], shapes: dict, experts: dict):
     step = None
     for r, part in enumerate(parts):
         base = _base_state(part, "base_optimizer_state")
-        for g, mapping in enumerate(part["param_slice_mappings"]):
-            flat = {"fp32": part["single_partition_of_fp32_groups"][g], **{k: base[g][k] for k in MOMENTS}}
+        mappings, fp32 = zero12_partition(part)
+        for g, mapping in enumerate(mappings):
+            flat = {"fp32": fp32[g], **{k: base[g][k] for k in MOMENTS}}
             if "step" in base[g]:
                 step = int(base[g]["step"])
             for name, frag in mapping.items():
@@ -188,7 +191,7 @@ def _zero3_state(ckpt: Path, names: list[str], shapes: dict):
     parts = _load_partitions(ckpt, 3)
     world = len(parts)
     ms = safe_torch_load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    order = [(n, torch.Size(s)) for group in ms["param_shapes"] for n, s in group.items()]
+    order = [(n, torch.Size(s)) for group in zero3_param_shapes(ms) for n, s in group.items()]
     flats = []
     step = None
     for part in parts:
@@ -197,7 +200,7 @@ def _zero3_state(ckpt: Path, names: list[str], shapes: dict):
         for g in groups:
             if "step" in base[g]:
                 step = int(base[g]["step"])
-        flats.append({"fp32": torch.cat([t.flatten() for t in part["fp32_flat_groups"]]),
+        flats.append({"fp32": torch.cat([t.flatten() for t in zero3_flat_groups(part)]),
                       **{k: torch.cat([base[g][k].flatten() for g in groups]) for k in MOMENTS}})
     pieces: dict[str, dict[str, list]] = {}
     offset = 0
@@ -230,14 +233,15 @@ def _joined(ckpt: Path, pieces: dict, shapes: dict):
 
 
 def resume_at_layout(engine, ckpt: Path, saved: dict) -> None:
-    """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state."""
+    """Load ``ckpt`` (written at layout ``saved``, another than ``engine``'s) through the whole state; rank 0
+    says once in the log what changed."""
+    scale = engine.loss_scale()
+    say_layout_change(engine, ckpt, saved, "through the whole state" + (
+        "" if scale is None else f"; the fp16 loss scale restarts at {scale:g} (not carried): the first updates may "
+        "be skipped as overflows while it comes down"))
     trainable = engine.trainable()
     experts = expert_layout(engine.module, int(saved.get("ep_size") or 1))
-    shapes = {n: torch.Size(experts[n][0]) if n in experts else _whole_shape(p) for n, p in trainable.items()}
+    shapes = {n: torch.Size(experts[n][0]) if n in experts else whole_shape(p) for n, p in trainable.items()}
     model, whole = read_whole(ckpt, saved, list(trainable), shapes, experts)
     engine.load_whole(model, whole)
 
-
-def _whole_shape(p: torch.Tensor) -> torch.Size:
-    shape = getattr(p, "ds_shape", None)  # ZeRO-3: the whole shape of a partitioned parameter
-    return torch.Size(shape) if shape is not None else p.shape

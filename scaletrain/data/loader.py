@@ -189,7 +189,7 @@ class ShardLoader:
         shuffled with seed 0 in windows of the stream's default ``buffer_size``: the validation loss's stream.
         ``num_workers``: a number (the trainer resolves ``data.num_workers: auto`` with ``auto_num_workers``)."""
         if parallel is not None:
-            rank, world_size = parallel.dp_rank, parallel.dp_size
+            rank, world_size = parallel.rank, parallel.world_size
         common = dict(rank=rank, world_size=world_size, num_workers=num_workers, max_tokens=data.max_tokens,
                       max_bytes=data.max_bytes, vocab=vocab, on_corrupt=data.on_corrupt, fetch=fetch_options(data),
                       pad_to_multiple=data.pad_to_multiple, max_rows=data.max_rows)

@@ -475,21 +475,30 @@ class WindowPlanner:
         left = [lists[s][j] for j in range(len(lists[0])) for s in range(old.slots)
                 if starts[s] is not None and j >= starts[s]]
         for g, u in carry["regroups"]:
-            left = self._regroup(left, g)[u * g:]
+            left = self._regroup(left, g, say=False)[u * g:]
         left = self._regroup(left, self.slots)
         G = self.slots
         items = [left[u * G + s] for u in range(len(left) // G) for s in mine]
         where = f"the regrouped rest of window {carry['window']} of epoch {epoch}"
         return self._finish(items, {}, slots, (epoch, None, None, _frozen(carry)), where, 0)
 
-    def _regroup(self, items: list, slots: int) -> list:
+    def _regroup(self, items: list, slots: int, say: bool = True) -> list:
         """``items`` made a multiple of ``slots`` long: the largest batches split in two (repeated from the start
-        only when too few examples are left); with ``drop_last`` the surplus dropped instead."""
+        only when too few examples are left); with ``drop_last`` the surplus dropped instead. A regroup that
+        drops or repeats batches says so in the log (``say``; not when an earlier regroup is replayed)."""
         if self.drop_last:
-            return items[: len(items) // slots * slots]
+            keep = len(items) // slots * slots
+            if keep < len(items) and say:
+                log.warning("data stream: regrouping %d batch(es) %d to an update drops the last %d (data.drop_last); "
+                            "their examples are not read in this epoch", len(items), slots, len(items) - keep)
+            return items[:keep]
         want = -(-len(items) // slots) * slots
         items = equalise_tagged(items, want)
         src = list(items)
+        if want > len(items) and say:
+            log.warning("data stream: regrouping %d batch(es) %d to an update repeats %d batch(es) (too few examples "
+                        "left to split); those examples are read twice in this epoch", len(items), slots,
+                        want - len(items))
         return items + [src[i % len(src)] for i in range(want - len(items))]
 
     def _finish(self, items: list, pools: dict, slots: list, key: tuple, where: str, n_blocks: int) -> _WindowPlan:

@@ -36,7 +36,7 @@ from scaletrain.errors import ScaletrainError
 
 def is_partitioned(module: torch.nn.Module) -> bool:
     """True if DeepSpeed ZeRO-3 partitions this module's parameters (a rank holds only a slice)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
+    return dsi.zero3_partitioned(module)
 
 
 def _not_here(p: torch.Tensor) -> bool:

@@ -49,6 +49,14 @@ this list):
    (``DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state``); a load before any update calls it once
    the state exists. ZeRO-3 steps our AdamW on its flat fp32 partitions (``fp32_partitioned_groups_flat``),
    swapped into the groups only for the step (:func:`optimizer_partitions`).
+7. DeepSpeed's checkpoint files and parameters, read past its public API by ``scaletrain.checkpoint.reshard``
+   (a ZeRO checkpoint joined at another layout; ``zero_to_fp32`` reads the same keys) and the backend:
+   each ZeRO-1/2 ``*_optim_states.pt`` partition's ``optimizer_state_dict`` holds ``param_slice_mappings``
+   (per group: parameter name -> the fragment's ``start``/``numel`` in the flat partition) and
+   ``single_partition_of_fp32_groups`` (the flat fp32 partitions) (:func:`zero12_partition`); ZeRO-3's
+   hold ``fp32_flat_groups`` and its model states ``param_shapes`` (:func:`zero3_flat_groups`,
+   :func:`zero3_param_shapes`); ZeRO-3 marks its partitioned parameters with ``ds_id`` and keeps their whole
+   shape in ``ds_shape`` (:func:`zero3_partitioned`, :func:`whole_shape`).
 """
 from __future__ import annotations
 
@@ -269,3 +277,31 @@ def optimizer_partitions(ds_engine) -> list:
     if ds_engine.zero_optimization_stage() == 3:
         return list(opt.fp32_partitioned_groups_flat)
     return [p for g in opt.optimizer.param_groups for p in g["params"]]
+
+
+# ---- 7. DeepSpeed's checkpoint files and partitioned parameters ------------------------------------------------
+def zero12_partition(part: dict) -> tuple[list, list]:
+    """A ZeRO-1/2 partition file's ``(param_slice_mappings, single_partition_of_fp32_groups)``: per group, the
+    fragments ``name -> (start, numel)`` in the flat partition, and the flat fp32 partition itself."""
+    return part["param_slice_mappings"], part["single_partition_of_fp32_groups"]
+
+
+def zero3_flat_groups(part: dict) -> list:
+    """A ZeRO-3 partition file's flat fp32 groups (``fp32_flat_groups``)."""
+    return part["fp32_flat_groups"]
+
+
+def zero3_param_shapes(model_states: dict) -> list[dict]:
+    """ZeRO-3's model states' ``param_shapes``: per group, parameter name -> whole shape, in partition order."""
+    return model_states["param_shapes"]
+
+
+def zero3_partitioned(module) -> bool:
+    """The module's parameters are ZeRO-3 partitioned (DeepSpeed marks each with ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def whole_shape(p) -> torch.Size:
+    """A parameter's whole shape; ZeRO-3 keeps it in ``ds_shape`` (the tensor itself is empty there)."""
+    shape = getattr(p, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape

@@ -6,8 +6,9 @@ Instead the norm's finiteness becomes a device flag that the fused AdamW kernel 
 ``found_inf`` argument, the mechanism ``torch.amp.GradScaler`` uses. Where the flag is 1 the kernel
 leaves parameters and moments as they are and the optimizer's step count is put back (torch subtracts
 the flag from it). Clipping multiplies the gradients by ``min(1, max_norm / (norm + 1e-6))`` on the
-device (torch's ``clip_grads_with_norm_``; no ``if`` on a device value). The LR schedule is stepped as if
-the update went through and put back by one when the flag is read (``StepInfo``, on the next log step).
+device (torch's ``clip_grads_with_norm_``; no ``if`` on a device value). The LR schedule counts only the
+updates applied (``engine.optim.UpdateSchedule.advance`` adds ``1 - flag`` on the device), so a withheld update
+never moves it and nothing has to be put back.
 
 Only the fused torch Adam/AdamW take the flag (``optim.fused``, the default on CPU and CUDA); with any other
 optimizer :func:`can_skip_on_device` is False and the engines read the norm on the host as before.
@@ -54,13 +55,3 @@ def withheld_if(optimizer, flag: torch.Tensor):
     finally:
         del optimizer.found_inf
 
-
-def rewind_schedule(scheduler) -> float:
-    """Put a ``LambdaLR`` schedule (ours, ``optim.build_scheduler``) back by one update; the LR now."""
-    sched = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
-    sched.last_epoch -= 1
-    lrs = [base * f(sched.last_epoch) for f, base in zip(sched.lr_lambdas, sched.base_lrs)]
-    for group, lr in zip(sched.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    sched._last_lr = list(lrs)
-    return float(lrs[0])

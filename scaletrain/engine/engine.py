@@ -556,12 +556,3 @@ class Engine:
     def load_native(self, path: Path) -> None:
         self.backend.load_native(Path(path))
         self.schedule.install()
-
-    # ---- the end ---------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Shut the distributed run down: the one place that destroys the process groups (every rank, after
-        its last collective). A world of one without a process group has nothing to do."""
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()

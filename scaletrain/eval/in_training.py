@@ -8,22 +8,19 @@ Components, each usable on its own (the Trainer calls them every ``M`` steps):
   :func:`scaletrain.eval.bounds.decoding_bounds`: length limits from the recipe and from training's
   length ratios, the stop at invalid UTF-8) and scores it with
   :func:`scaletrain.eval.scoring.score_directions` (per-language BLEU tokenizer, chrF, groups, pivot
-  averages). With several data-parallel ranks every one decodes its own share (lines ``dp_rank::dp_size``
-  of the parallel context), the hypotheses are all-gathered over the data-parallel group, and every rank scores the complete subset, so all ranks hold the same
+  averages). With several ranks (all data parallel) every one decodes its own share (lines ``rank::world_size``
+  of the parallel context), the hypotheses are all-gathered over every rank, and every rank scores the complete subset, so all ranks hold the same
   numbers (and can take the same early-stopping decision) and the result equals a single-process run.
 * The module to decode with comes from ``Engine.inference_module()``: the engine alone knows whether its
   parameters are partitioned (ZeRO-3) and a full copy must be gathered first.
 * :class:`BestCheckpoint` - tracks a chosen metric (mode ``max`` or ``min``), keeps the best checkpoint
-  as ``<out_dir>/checkpoints/best`` (hard links into the saved checkpoint, so no copy and it survives the
-  ``keep_last`` rotation), and reports early stopping after ``patience`` evaluations without improvement.
+  as ``<out_dir>/checkpoints/best`` (written by ``checkpoint.manager.keep_copy``: hard links into the saved
+  checkpoint, so no copy and it survives the ``keep_last`` rotation), and reports early stopping after ``patience`` evaluations without improvement.
   Its ``state_dict()`` goes into the trainer state so resume continues the count.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from scaletrain.checkpoint.manager import keep_copy
 from scaletrain.data.batch import Example
 from scaletrain.errors import ScaletrainError
 from scaletrain.eval.bounds import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoding_bounds
@@ -248,30 +246,11 @@ class BestCheckpoint:
         return self.root / "best"
 
     def keep(self, ckpt_dir: str | Path) -> Path:
-        """Make ``best`` a copy (hard links) of ``ckpt_dir``; atomic: a reader sees the old or the new one."""
-        src = Path(ckpt_dir)
-        if not (src / "trainer_state.json").is_file():
-            raise ScaletrainError(f"{src} is not a complete checkpoint (no trainer_state.json); save it before keep()")
-        dst = self.best_dir
-        tmp = dst.with_name(f".best.tmp-{os.getpid()}")
-        old = dst.with_name(f".best.old-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-
-        def link_or_copy(s, d):
-            try:
-                os.link(s, d)
-            except OSError:
-                shutil.copy2(s, d)
-
-        shutil.copytree(src, tmp, copy_function=link_or_copy)
+        """Make ``best`` a copy (hard links) of ``ckpt_dir`` with ``best.json`` beside its files; atomic: a
+        reader sees the old or the new one (``checkpoint.manager.keep_copy`` writes it)."""
         info = {"metric": self.metric, "mode": self.mode, "value": self.best_value, "step": self.best_step,
-                "source": src.name}
-        (tmp / "best.json").write_text(json.dumps(info, indent=2))
-        if dst.exists():
-            os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-        return dst
+                "source": Path(ckpt_dir).name}
+        return keep_copy(ckpt_dir, self.best_dir, {"best.json": info})
 
     # ---- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

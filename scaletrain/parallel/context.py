@@ -12,7 +12,14 @@ pipeline parallel) is a size there and a group here.
 Dimensions today (W ranks):
 
 * data parallel (DP): every rank; each rank reads its own batches, and replicated (dense)
-  gradients are averaged over all W ranks.
+  gradients are averaged over all W ranks. The context has no data-parallel rank, size or group of its
+  own: with no tensor or pipeline dimension the data-parallel group *is* the world, and a separate
+  ``dp_rank``/``dp_size`` would be a second name for ``rank``/``world_size`` that no test could tell apart
+  (token counts, validation and BLEU shares split by one and summed over the other would pass the same
+  tests). The batches, the token-count normalisation, the validation and BLEU shares and the data position
+  at another layout all use ``rank`` and ``world_size``, and the collectives the default group. A tensor or
+  pipeline dimension would bring a data-parallel group back, with the collectives taking it and a run of
+  two data-parallel groups to show it.
 * expert parallel (EP), size P = ``moe.ep_size``: as Megatron-Core and DeepSpeed lay out expert
   groups, the world is cut into W / P groups of P consecutive ranks (consecutive ranks usually share
   a node, and the all-to-all is the heavy collective). The experts of each routed layer are
@@ -84,13 +91,10 @@ class ParallelContext:
     or the whole world (the default group). Frozen and shared: a deep copy of a model that holds it
     keeps the same groups."""
 
+    # every rank is data parallel (no tensor/pipeline dimension): its batches, shares and gradient average
+    # are by rank of world_size, over the default group
     world_size: int = 1
     rank: int = 0
-    # data parallel: every rank (the default process group, hence None); dense gradients are averaged
-    # over it, each rank reads its own share of the batches
-    dp_size: int = 1
-    dp_rank: int = 0
-    dp_group: Any = None
     # expert parallel: P consecutive ranks that split each routed layer's experts and exchange tokens
     # with all-to-alls (None at ep_size 1: no exchange)
     ep_size: int = 1
@@ -222,8 +226,7 @@ def _build_groups(dims: ParallelDims, rank: Optional[int]) -> ParallelContext:
                 edp_group = grp
     # host values ride on gloo: the default group where it is gloo, else a gloo group of every rank
     host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    return ParallelContext(world_size=world_size, rank=rank, dp_size=world_size, dp_rank=rank, dp_group=None,
-                           ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group,
+    return ParallelContext(world_size=world_size, rank=rank, ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group,
                            edp_size=world_size // ep_size, edp_rank=ep_index, edp_group=edp_group,
                            host_group=host_group)
 

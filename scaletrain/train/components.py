@@ -291,12 +291,12 @@ class Evaluator:
         return v
 
     def bleu_scores(self) -> dict[str, float]:
-        eng, dp = self.engine, self.engine.parallel  # the lines are split over the data-parallel ranks
+        eng, dp = self.engine, self.engine.parallel  # the lines are split over the ranks (all data parallel)
         model = eng.inference_module(self.build_model)  # collective where parameters are partitioned
         shown = self.progress or ProgressDisplay(False, 0, 0)
-        with shown.task(len(self.bleu.share(dp.dp_rank, dp.dp_size)), "valid BLEU (rank 0's lines)") as advance:
-            res = self.bleu.run(model, rank=dp.dp_rank, world_size=dp.dp_size, group=dp.dp_group,
-                                progress=advance)  # collective (all_gather_object over the data-parallel group)
+        with shown.task(len(self.bleu.share(dp.rank, dp.world_size)), "valid BLEU (rank 0's lines)") as advance:
+            res = self.bleu.run(model, rank=dp.rank, world_size=dp.world_size, group=None,
+                                progress=advance)  # collective (all_gather_object over every rank)
         del model
         self.unit.routing(reset=True)
         eng.train(True)

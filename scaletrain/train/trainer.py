@@ -312,9 +312,9 @@ class Trainer:
             self.stream.load_state_dict(loaded.rank_states[0]["stream"])
         else:  # another layout: the same global batches where the slot count holds (data/position.py)
             dp = eng.parallel
-            streams = states_for_layout([s["stream"] for s in loaded.rank_states], dp.dp_size,
+            streams = states_for_layout([s["stream"] for s in loaded.rank_states], dp.world_size,
                                         self.cfg.engine.grad_accum)
-            self.stream.load_state_dict(streams[dp.dp_rank])
+            self.stream.load_state_dict(streams[dp.rank])
         if not loaded.same_world:
             seed_everything(rederived_seed(self.cfg.train.seed, self.state.step, eng.rank))
         self.recorder.resumed_at(self.state.step)

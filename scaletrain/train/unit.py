@@ -149,9 +149,10 @@ def train_step(engine: Engine, unit: TranslationUnit, micro: list, stop_vote: bo
         [local_tok, float(stop_vote), local_src, float(preempt_vote), float(save_vote)])
     if g_stop > 0 or g_preempt > 0:
         return StopVote(preempted=g_preempt > 0)
-    # the libraries average gradients over the data-parallel ranks and the engine over the micro-batches:
+    # the libraries average gradients over the ranks (every rank is data parallel) and the engine over the
+    # micro-batches:
     # undo both, so that the update is the gradient of the global token-mean loss
-    scale = engine.parallel.dp_size * len(micro) / g_tok
+    scale = engine.parallel.world_size * len(micro) / g_tok
     acc, examples, failed = None, 0, None
     for i, b in enumerate(micro):
         try:

@@ -51,9 +51,9 @@ def grads_job(out: Path, shards: str, job: dict) -> None:
     cfg = load_config("small", [f"data.shards={shards}", f"train.out_dir={d}", *TINY, *job["overrides"]])
     eng = build_engine(cfg)
     dp = eng.parallel  # the data split: the parallel context's data-parallel rank and size
-    batches = fixed_batches(shards, dp.dp_size)
-    trainer = Trainer(cfg, engine=eng, stream=Replay(batches, dp.dp_rank, dp.dp_size, 1))
-    batch = batches[dp.dp_rank].to(eng.device)
+    batches = fixed_batches(shards, dp.world_size)
+    trainer = Trainer(cfg, engine=eng, stream=Replay(batches, dp.rank, dp.world_size, 1))
+    batch = batches[dp.rank].to(eng.device)
     eng.train(True)
     loss_sum, _, ntok = trainer.unit.loss(batch)
     total = eng.parallel.all_reduce_sum([float(ntok)])[0]

@@ -149,8 +149,8 @@ def run_job(out: Path, shards: str, job: dict) -> None:
     dp, gas = eng.parallel, cfg.engine.grad_accum  # the data split: the parallel context's data-parallel rank
     stream = None
     if job.get("replay", True):
-        need = cfg.train.max_steps * dp.dp_size * gas * job.get("merge", 1)
-        stream = Replay(fixed_batches(shards, need), dp.dp_rank, dp.dp_size, gas, job.get("merge", 1))
+        need = cfg.train.max_steps * dp.world_size * gas * job.get("merge", 1)
+        stream = Replay(fixed_batches(shards, need), dp.rank, dp.world_size, gas, job.get("merge", 1))
     if job.get("record"):
         from scaletrain.data.loader import ShardLoader
 

@@ -1,6 +1,6 @@
 """A NaN loss on one rank of 2: both ranks skip that update (no rank steps while the other
 skips: their parameters stay identical and equal to the previous step's), both count it, and the NaN rank's
-examples are named in OUT/nonfinite/. In bf16 at ZeRO-2 (an inf planted) the update is withheld on the device
+examples are named in OUT/nonfinite/. In bf16 at ZeRO-1 and ZeRO-2 (an inf planted) the update is withheld on the device
 from the norm DeepSpeed's ZeRO optimizer computes, with its own overflow check off: the path that rests on
 DeepSpeed turning its -1 "invalid norm" marker into inf (``scaletrain/engine/deepspeed_internals.py``)."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from test_nonfinite import TINY
 @pytest.mark.parametrize("ds_config,precision,value", [
     ("zero0", "fp32", "nan"),
     ("zero2", "fp32", "nan"),  # DeepSpeed's own global-norm check skips
+    ("zero1", "bf16", "inf"),  # the same at ZeRO-1 (its optimizer is ZeRO-2's, gradients not partitioned)
     ("zero2", "bf16", "inf"),  # withheld on the device (ZeroNormHook): DeepSpeed's check is off in bf16
 ])
 def test_nan_on_one_rank_skips_the_update_on_both(django_shards, tmp_path, ds_config, precision, value):

@@ -160,7 +160,7 @@ def _check_run_page(page: str, run, child, ds) -> None:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = tags.get("mlflow.source.git.commit", "")
     assert commit == head and len(head) == 40, (commit, head)
-    assert re.search(rf"Source scaletrain train (\S+ )?{commit[:7]}", page), page
+    assert re.search(rf"Source scaletrain train (\S+ )?{commit[:7]}\b", page), page
 
 
 def _check_experiment_page(runs: str, run, ds) -> None:

@@ -6,6 +6,7 @@ library's checkpoint or one without a schedule position is refused in one line."
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -84,30 +85,40 @@ def test_another_librarys_files_or_no_schedule_are_one_line(tmp_path):
         load_engine_state(eng, tmp_path / "ck")
 
 
-@pytest.mark.parametrize("main", [True, False])
-def test_a_resume_at_another_layout_says_what_changed_once_on_rank_0(tmp_path, monkeypatch, caplog, main):
-    """A ZeRO-stage change alone (the same world size) goes through the whole state and is said in one line on
-    rank 0, naming the key and both values; at the same layout nothing is said."""
-    import logging
-
-    import scaletrain.checkpoint.engine_state as es
-
+def test_a_resume_at_another_engine_or_precision_says_what_changed_once(tmp_path, caplog):
+    """Same world size, another engine: through the whole state (reshard.py), the same weights and moments,
+    and one log line naming the change; another precision on the same engine: the engine's own files, one
+    line; the same layout: no line."""
     eng = _trained()
     save_engine_state(eng, tmp_path / "ck")
     record = json.loads((tmp_path / "ck" / "engine.json").read_text())
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "backend": "deepspeed"}))
+    fresh = _trained(seed=1, updates=0)
     with caplog.at_level(logging.INFO, logger="scaletrain"):
-        load_engine_state(eng, tmp_path / "ck")  # the same layout
-    assert "another layout" not in caplog.text
-    (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "zero_stage": 2}))
-    loads = []
-    monkeypatch.setattr(es, "resume_at_layout", lambda engine, ckpt, saved: loads.append(saved["zero_stage"]))
-    monkeypatch.setattr(type(eng), "is_main", property(lambda self: main))
+        load_engine_state(fresh, tmp_path / "ck")
+    said = [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()]
+    assert said == ["resume of ck at another layout: backend deepspeed -> local; through the whole state"]
+    assert _same(fresh, eng) and fresh.schedule.state_dict() == {"applied": 3}
+    for p, q in zip(fresh.optimizer.state.values(), eng.optimizer.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in ("exp_avg", "exp_avg_sq"))
     caplog.clear()
+    fp16 = _trained(seed=1, updates=0)
+    fp16.loss_scale = lambda: 65536.0  # an fp16 engine's: the scale is not carried through the whole state
     with caplog.at_level(logging.INFO, logger="scaletrain"):
-        load_engine_state(eng, tmp_path / "ck")
-    assert loads == [2]  # through the whole state
-    lines = [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()]
-    if main:
-        assert len(lines) == 1 and "(zero_stage 2 -> 0): loaded through the whole state" in lines[0], lines
-    else:
-        assert lines == []
+        load_engine_state(fp16, tmp_path / "ck")
+    assert [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()] == [
+        "resume of ck at another layout: backend deepspeed -> local; through the whole state; the fp16 loss scale "
+        "restarts at 65536 (not carried): the first updates may be skipped as overflows while it comes down"]
+    caplog.clear()
+    other = "bf16" if record["precision"] != "bf16" else "fp32"
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps({**record, "precision": other}))
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(_trained(seed=1, updates=0), tmp_path / "ck")
+    said = [r.getMessage() for r in caplog.records if "another layout" in r.getMessage()]
+    assert said == [f"resume of ck at another layout: precision {other} -> {record['precision']}; the engine's own "
+                    "files, resharded where needed"]
+    caplog.clear()
+    (tmp_path / "ck" / "engine.json").write_text(json.dumps(record))
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        load_engine_state(_trained(seed=1, updates=0), tmp_path / "ck")
+    assert not [r for r in caplog.records if "another layout" in r.getMessage()]

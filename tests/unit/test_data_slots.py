@@ -223,21 +223,42 @@ def test_states_for_layout_refuses_ranks_at_different_positions(shards):
         ShardStream(shards, **KW).load_state_dict(c.state_dict())
 
 
-def test_loaders_split_by_the_parallel_contexts_data_parallel_rank(shards):
-    """``ShardLoader.for_run(parallel=ctx)`` reads ``ctx.dp_rank`` of ``ctx.dp_size``, not the world rank: on a
-    world of 4 with 2 data-parallel ranks (another dimension of size 2), ranks 0-1 read data-parallel rank 0's
-    batches, ranks 2-3 rank 1's; validation too."""
+def test_loaders_split_by_the_parallel_contexts_rank(shards):
+    """``ShardLoader.for_run(parallel=ctx)`` reads ``ctx.rank`` of ``ctx.world_size`` (every rank is data
+    parallel; an expert-parallel dimension does not split the data): on a world of 2 with ``ep_size`` 2 each rank
+    reads its own batches, as a plain stream of that rank; validation too."""
     from scaletrain.config import Config
 
     d = Config().data
     d.shards, d.max_tokens, d.max_bytes, d.buffer_size, d.seed = str(shards), 700, 64, 2, 3
     want = {r: [b.src for b in itertools.islice(ShardStream(shards, rank=r, world_size=2, **KW), 12)] for r in (0, 1)}
-    for world_rank in range(4):
-        ctx = SimpleNamespace(rank=world_rank, world_size=4, dp_rank=world_rank // 2, dp_size=2)
+    assert not all(torch.equal(x, y) for x, y in zip(want[0], want[1]))
+    for world_rank in range(2):
+        ctx = SimpleNamespace(rank=world_rank, world_size=2, ep_rank=world_rank, ep_size=2, edp_rank=0, edp_size=1)
         got = [b.src for b in itertools.islice(ShardLoader.for_run(d, "train", parallel=ctx), 12)]
-        assert len(got) == 12 and all(torch.equal(x, y) for x, y in zip(got, want[world_rank // 2]))
+        assert len(got) == 12 and all(torch.equal(x, y) for x, y in zip(got, want[world_rank]))
         assert ShardLoader.for_run(d, "train", parallel=ctx, grad_accum=2).state_dict()["config"]["slots"] == 4
         valid = [b.src for b in ShardLoader.for_run(d, "valid", parallel=ctx)]
-        ref = ShardStream(shards, "valid", rank=world_rank // 2, world_size=2, seed=0, epochs=1, max_tokens=700,
+        ref = ShardStream(shards, "valid", rank=world_rank, world_size=2, seed=0, epochs=1, max_tokens=700,
                           max_bytes=64)
         assert len(valid) > 1 and all(torch.equal(x, y.src) for x, y in zip(valid, ref))
+
+
+def test_a_regroup_that_drops_or_repeats_batches_says_so(caplog):
+    """The rest of a window regrouped for another slot count: batches split where they can be; where the
+    examples are too few to split (one-example batches) the shortfall is repeated, with ``drop_last`` the surplus
+    dropped, and each says so in one warning with the count; an even regroup says nothing."""
+    from scaletrain.data.stream import WindowPlanner
+
+    ones = [(s, np.array([i])) for i, s in enumerate((0, 1, 0))]
+    with caplog.at_level("WARNING", logger="scaletrain.data.stream"):
+        out = WindowPlanner._regroup(SimpleNamespace(drop_last=False), ones, 2)
+        assert len(out) == 4 and out[3] == ones[0]
+        assert WindowPlanner._regroup(SimpleNamespace(drop_last=True), ones, 2) == ones[:2]
+        assert len(WindowPlanner._regroup(SimpleNamespace(drop_last=False), [(0, np.arange(4))] * 3, 2)) == 4
+        assert WindowPlanner._regroup(SimpleNamespace(drop_last=False), ones, 2, say=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["data stream: regrouping 3 batch(es) 2 to an update repeats 1 batch(es) (too few examples left "
+                    "to split); those examples are read twice in this epoch",
+                    "data stream: regrouping 3 batch(es) 2 to an update drops the last 1 (data.drop_last); their "
+                    "examples are not read in this epoch"]

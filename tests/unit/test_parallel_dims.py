@@ -25,4 +25,5 @@ def test_sizes_that_do_not_divide_the_world_are_refused_before_any_group():
 def test_a_single_process_gets_the_trivial_context():
     ctx = ParallelDims().build()
     assert ctx == ParallelContext.single()
-    assert (ctx.dp_size, ctx.ep_size, ctx.edp_size, ctx.dp_group, ctx.ep_group, ctx.edp_group) == (1, 1, 1, None, None, None)
+    assert (ctx.world_size, ctx.rank, ctx.ep_size, ctx.edp_size, ctx.ep_group, ctx.edp_group) == (1, 0, 1, 1, None, None)
+    assert not hasattr(ctx, "dp_size") and not hasattr(ctx, "dp_rank")  # every rank is data parallel

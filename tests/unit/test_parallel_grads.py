@@ -34,7 +34,7 @@ def _grads_worker(rank, world):
     ep_ctx = build_parallel_context(2)
     assert (ep_ctx.ep_rank, ep_ctx.edp_size, ep_ctx.edp_rank) == (rank % 2, 2, rank // 2)
     dp_ctx = build_parallel_context(1)
-    assert (ep_ctx.dp_size, ep_ctx.dp_rank, dp_ctx.dp_size, dp_ctx.edp_size) == (world, rank, world, world)
+    assert (ep_ctx.world_size, ep_ctx.rank, dp_ctx.world_size, dp_ctx.edp_size) == (world, rank, world, world)
     ref, ep = _backward(dp_ctx, rank, world), _backward(ep_ctx, rank, world)
     reduce_expert_gradients(ref.experts.parameters(), dp_ctx)  # ep=1: over the whole world, like DDP
     reduce_expert_gradients(ep.experts.parameters(), ep_ctx)

@@ -66,7 +66,7 @@ def test_saves_follow_the_training_clock_across_a_resume(django_shards, tmp_path
 
 class RankOneEngine:
     """Rank 1 of 2 whose all-reduce adds rank 0's votes: rank 0's timer said save, this rank's did not."""
-    world_size, dp_size, rank, device = 2, 2, 1, torch.device("cpu")
+    world_size, rank, device = 2, 1, torch.device("cpu")
 
     @property
     def parallel(self):  # the collectives of its parallel context

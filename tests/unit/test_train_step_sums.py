@@ -11,7 +11,7 @@ from scaletrain.train.unit import StopVote, train_step
 
 
 class FakeEngine:
-    world_size, dp_size, device = 1, 1, torch.device("cpu")
+    world_size, device = 1, torch.device("cpu")
 
     def __init__(self):
         self.backward_losses, self.steps = [], 0
