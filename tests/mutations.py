@@ -116,6 +116,26 @@ FAULTS = (
           "        pass\n",
           ("tests/unit/test_checkpoint_engine_state.py",),
           "a resume at another precision or world size through the engine's own files says nothing of the change"),
+    Fault("nonfinite-host-skip", "non-finite skip", "scaletrain/engine/engine.py",
+          "            if not math.isfinite(norm):\n                b.skip_update()\n",
+          "            if not math.isfinite(norm):\n                b.update()\n",
+          ("tests/unit/test_engine_backends.py::test_without_a_fused_optimizer_the_norm_is_read_on_the_host",),
+          "where the norm is checked on the host (optim.fused=false, expert parallelism), a non-finite update is applied"),
+    Fault("ep-exchange-backward", "expert-parallel equivalence", "scaletrain/parallel/exchange.py",
+          "        dist.all_to_all_single(out, grad, input_splits, output_splits, group=ctx.group)\n",
+          "        dist.all_to_all_single(out, grad, input_splits, input_splits, group=ctx.group)\n",
+          ("tests/unit/test_parallel_exchange.py", "tests/unit/test_moe_expert_parallel.py"),
+          "the expert exchange's backward sends gradients with the forward's splits (wrong rows, wrong ranks)"),
+    Fault("oom-marker-case", "OOM line", "scaletrain/oom.py",
+          "any(m in str(e).lower() for m in _RUNTIME_MARKERS)",
+          "any(m in str(e) for m in _RUNTIME_MARKERS)",
+          ("tests/unit/test_oom_lines.py",),
+          "an allocator message in capitals (CUBLAS_STATUS_ALLOC_FAILED) is not recognised as out of memory"),
+    Fault("browser-dataset-context", "MLflow UI (browser)", "scaletrain/tracking/datasets.py",
+          "    return DatasetInput(entity, tags=[InputTag(CONTEXT_TAG, context)])\n",
+          "    return DatasetInput(entity, tags=[])\n",
+          ("tests/integration/test_tracking_browser.py",),
+          "the corpus is logged without its train / validation context (the run page's Datasets lose 'train')"),
 )
 
 
@@ -153,11 +173,25 @@ def _env(copy: Path) -> dict:
 
 
 def _check_import(copy: Path, env: dict) -> None:
-    """The copy's scaletrain, not this checkout's (the .venv's editable install points here)."""
-    where = subprocess.run([sys.executable, "-c", "import scaletrain; print(scaletrain.__file__)"], cwd=copy, env=env,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    if not where.startswith(str(copy)):
-        raise SystemExit(f"mutations.py: the copy imports scaletrain from {where}, not from {copy}")
+    """The copy's scaletrain, not this checkout's (the .venv's editable install points here): in the copy, in a
+    process started elsewhere with the same environment (a launched rank), and through the ``scaletrain``
+    console script (what ``launch.sh`` and the CLI tests start: a path on PYTHONPATH comes before the editable
+    install's finder, checked here rather than assumed)."""
+    probe = [sys.executable, "-c", "import scaletrain; print(scaletrain.__file__)"]
+    places = {"in the copy": subprocess.run(probe, cwd=copy, env=env, capture_output=True, text=True,
+                                            check=True).stdout.strip(),
+              "from another directory": subprocess.run(probe, cwd=tempfile.gettempdir(), env=env, capture_output=True,
+                                                       text=True, check=True).stdout.strip()}
+    script = Path(sys.executable).parent / "scaletrain"
+    if script.exists():  # python -v names the file each module's code object comes from
+        err = subprocess.run([sys.executable, "-v", str(script), "--help"], cwd=tempfile.gettempdir(), env=env,
+                             capture_output=True, text=True, timeout=300).stderr
+        loaded = [ln.split(" from ", 1)[1].strip() for ln in err.splitlines()
+                  if ln.startswith("# code object from ") and ln.rstrip().endswith("scaletrain/cli.py")]
+        places["through the console script"] = loaded[0] if loaded else "(scaletrain.cli not loaded)"
+    for how, where in places.items():
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"mutations.py: {how}, scaletrain is imported from {where}, not from {copy}")
 
 
 def _run_tests(fault: Fault, plant: bool, timeout: int) -> tuple[str, float, str]:

@@ -144,6 +144,8 @@ def test_without_a_fused_optimizer_the_norm_is_read_on_the_host():
     eng = _engine("optim.fused=false")
     assert not eng.schedule.tensor_lr and not torch.is_tensor(eng.optimizer.param_groups[0]["lr"])
     ok = _update(eng, 1)
+    before = {k: v.clone() for k, v in eng.module.state_dict().items()}
     bad = _update(eng, 2, nan=True)
     assert not bad.pending and bad.skipped and bad.nonfinite and not ok.skipped
+    assert all(torch.equal(before[k], v) for k, v in eng.module.state_dict().items())  # the update withheld
     assert eng.schedule.state_dict() == {"applied": 1} and bad.lr == ok.lr
