@@ -2,16 +2,7 @@
 :func:`generate_with_scores`, the one entry of every decoding (``translate``, ``evaluate``, the in-training
 BLEU, export checks).
 
-Model API decoded against (see ``scaletrain.models``)::
-
-    enc = model.encode(src)                                # EncoderOut, batch-first
-    enc = enc.index_select(index)                          # reorder / expand / shrink the batch dim
-    logits, cache = model.decode_step(tokens, step, enc, cache)   # tokens [N] = input at position `step`
-    cache = model.reorder_cache(cache, index)
-
-The decoder input at step 0 is the target-language tag (``tgt_in = [__tgt__] + bytes``), so the tag is
-forced and never emitted. At every step only byte ids and EOS can be generated; PAD, BOS, UNK and the
-language tags are masked to ``-inf``.
+The model API decoded against, and the forced target-language tag: ``decode_step.py``.
 
 The parts: one decoder step and the hypothesis (``decode_step.py``), greedy decoding (here), beam search
 (``beam.py``), the stop at invalid UTF-8 (``utf8_guard.py``), the length limits (``bounds.py``), and batches
