@@ -83,7 +83,7 @@ def test_resume_at_another_world_size_stage_and_grad_accum(django_shards, tmp_pa
                               _job("carry_ep_z2", N, Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2",
                                    whole=True)], env)
     # a change of the ZeRO stage alone (same world size) is said once, by rank 0, with the way it loads
-    said = (p.stdout + p.stderr).count("resume of carry_z3 at another layout: zero_stage 2 -> 3; through the whole state")
+    said = (p.stdout + p.stderr).count("at another layout: zero_stage 2 -> 3; through the whole state")
     assert said == 1, (p.stdout + p.stderr)[-3000:]
     ep4 = [Z2, "optim.clip_norm=0", *MOCE_MOE, "moe.ep_size=2"]  # 2 expert-data-parallel ranks per EP rank
     _launch(4, tmp_path, sh, [_job("quad", 2 * N, Z0), _job("ep4", N, *ep4, whole=True)], env)  # quad: 2x2 -> 4x1
@@ -143,7 +143,7 @@ def test_resume_on_the_other_engine_carries_the_state(django_shards, tmp_path):
     p = run([sys.executable, REPLAY_DRIVER, str(tmp_path), sh, json.dumps([_job("ds_to_acc", N, *ddp, whole=True)])],
             env)
     assert "the checkpoint was written by 2 rank(s), this run has 1" in p.stdout + p.stderr
-    assert ("resume of ds_to_acc at another layout: backend deepspeed -> accelerate/ddp, zero_stage 2 -> 0, "
+    assert ("resume of step-0000012 at another layout: backend deepspeed -> accelerate/ddp, zero_stage 2 -> 0, "
             "world_size 2 -> 1; through the whole state") in p.stdout + p.stderr
     assert _result(tmp_path, "acc_to_z2")["engine"] == "deepspeed" and _result(tmp_path, "ds_to_acc")["engine"] == \
         "accelerate/ddp"
