@@ -133,6 +133,10 @@ fi
 # and every rank (the deepspeed runner forwards signals only for multi-node launches). The ranks
 # checkpoint at the next step boundary and exit; we exit 75 and a re-run with the same --out resumes.
 rm -f "$out/preempted.json"
+# A lost peer or host (exit 76: retry): the ranks write their code here too, because torchrun and
+# `accelerate launch` exit 1 whatever code a rank ended with (DeepSpeed's launchers pass it on).
+exit_file=$(mktemp "${TMPDIR:-/tmp}/scaletrain-exit.XXXXXX")
+export SCALETRAIN_EXIT_FILE="$exit_file"
 set -m  # the launcher and its ranks get a process group of their own
 "${launch_cmd[@]}" &
 child=$!
@@ -146,7 +150,18 @@ if [[ -f "$out/preempted.json" ]]; then
   echo "== preempted: $(cat "$out/preempted.json"); re-run with --out $out (same arguments) to resume" >&2
   exit 75
 fi
+rank_code=$(cat "$exit_file" 2>/dev/null || true); rm -f "$exit_file"
+if [[ $rc -ne 0 && "$rank_code" == 76 ]]; then
+  echo "== a peer or host was lost (exit 76: retry): re-run the same command (--out $out) to resume from the last checkpoint" >&2
+  exit 76
+fi
 [[ $rc -eq 0 ]] || exit "$rc"
+node_rank=${launcher_opt[node_rank]:-0}
+if [[ "$node_rank" != 0 ]]; then  # one voice per job: the summary and next commands are node 0's
+  wait "$store_pid" 2>/dev/null || true
+  echo "== $(hostname) (node $node_rank): training done; the summary and the commands to try next are on node 0"
+  exit 0
+fi
 wait "$store_pid" 2>/dev/null || true
 t1=$(date +%s)
 echo "== training took $((t1 - t0))s"
