@@ -32,6 +32,7 @@ from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
 from scaletrain.engine.heartbeat import start_heartbeat
+from scaletrain.engine.shared_dir import check_shared_run_dir
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
@@ -85,6 +86,7 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
+        check_shared_run_dir(cfg.out_dir, eng.rank, eng.world_size)  # every host sees it, or one line, exit 2
         self.manifest = load_manifest(run_source(cfg.data))
         self.vocab = load_shard_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
                                       vocab_size=cfg.data.spm_vocab_size)

@@ -136,3 +136,47 @@ def test_a_rank_that_stops_answering_is_found_by_the_heartbeat_within_peer_timeo
     line = next(ln for ln in text.splitlines() if "scaletrain: error:" in ln)
     assert line.startswith(f"scaletrain: error: lost {os.uname().nodename} (rank 1): no heartbeat for {timeout_s} s"), line
     assert "rank 0 on" in line and "exit 76: retry" in line and "no checkpoint was written yet" in line, line
+
+
+@pytest.mark.slow
+def test_a_run_directory_one_host_does_not_see_stops_before_the_first_step_with_exit_2(django_shards, tmp_path):
+    """Host 1's launcher in a mount namespace of its own with a tmpfs over the runs directory (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a mount namespace with a tmpfs")
+    env = launcher_env(tmp_path)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    out = runs / "job"  # not made yet: the token goes in runs/
+    drv = tmp_path / "drv"
+    drv.mkdir()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port, exe = str(free_port()), str(Path(sys.executable).with_name("deepspeed"))
+    args = ["--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1", "--master_port", port,
+            "--no_local_rank", DRIVER, str(drv), "small", f"data.shards={django_shards}", *OVER,
+            f"train.out_dir={out}"]
+    cmds = [[exe, "--node_rank", "0", *args],
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             f'mount -t tmpfs scaletrain-test "{runs}" && exec "$@"', "sh", exe, "--node_rank", "1", *args]]
+    t0 = time.time()
+    procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in cmds]
+    texts = []
+    try:
+        for q in procs:
+            texts.append(q.communicate(timeout=240)[0])
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL)
+                q.wait()
+    took = time.time() - t0
+    print(f"run directory not shared: launchers exit {[q.returncode for q in procs]} after {took:.1f} s")
+    assert [q.returncode for q in procs] == [2, 2], texts[0][-3000:] + texts[1][-3000:]
+    host = os.uname().nodename
+    for text in texts:
+        line = next(ln for ln in text.splitlines() if "scaletrain: error:" in ln)
+        assert f"train.out_dir {out} is not the same directory on every host: {host} (rank 1) cannot see a file" \
+            in line, line
+        assert "step      1 |" not in text
+    assert list(runs.iterdir()) == []  # the token removed, no run directory made
