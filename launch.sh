@@ -30,7 +30,10 @@ options:
 Only the bundled corpus (data.shards=shards/django, the CPU default) and the catalogs corpus (shards/catalogs,
 from every gettext catalog of this machine: the GPU default) are built here when missing; any other
 data.shards must hold shards written by 'scaletrain prepare' (else one error line, exit 2, nothing started).
-At the end: the commands to try next on this run (translate, evaluate with a beam, compare, export, mlflow ui).
+At the end: the commands to try next on this run (translate, evaluate with a beam, compare, export, mlflow ui),
+on node 0 only (--node_rank 0 or none); the other nodes print one line each.
+A lost node or rank (killed, cut off from the network): exit code 76 (retry) on every surviving node;
+re-run with the same --out to resume from the last checkpoint.
 SIGTERM/SIGINT/SIGUSR1 to this script or the job's process group: every rank checkpoints at the next step
 boundary, the MLflow run ends KILLED, exit code 75; re-run with the same --out to resume.
 USAGE
