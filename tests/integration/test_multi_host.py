@@ -1,0 +1,117 @@
+"""The README's multi-node commands, verbatim, on two hosts made of network namespaces (tests/netns_hosts.py:
+each host its own network stack, address, hostname and /etc/hosts; one filesystem, as a cluster's shared
+run directory).
+
+Each multi-host run is 2 hosts x 1 rank and must end with weights bitwise equal to one reference run of
+the same job on one host with 2 ranks (``./launch.sh --nproc 2``), shared by every case of the module:
+the same global batches, the same reductions, only the transport differs.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, free_port, launch_checkout, run_launch_sh, tiny_model
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+
+
+def _overrides(shards: Path) -> list[str]:
+    return [f"data.shards={shards}", *tiny_model(), "data.max_tokens=400", "data.max_bytes=40",
+            f"train.max_steps={STEPS}", "train.log_every=2", "train.valid_every=0", f"train.save_every={STEPS}",
+            "optim.warmup_steps=2", "tracking.enabled=false", "engine.precision=fp32",
+            "engine.ds_config=zero1.json"]
+
+
+def _env(tmp: Path) -> dict:
+    env = dict(os.environ)
+    # one thread per rank everywhere: the reference (2 ranks on one host) and the hosts (1 rank each) then
+    # run the same kernels, so the weights can be compared bitwise
+    env.update(OMP_NUM_THREADS="1", MPLCONFIGDIR=str(tmp / "mpl"), PYTHONUNBUFFERED="1",
+               MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlruns.db")
+    return env
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from scaletrain.checkpoint.inference import load_model_weights
+
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    return load_model_weights(ckpt, quiet=True)
+
+
+def _assert_same_weights(run: Path, ref: dict[str, torch.Tensor]) -> None:
+    got = _weights(run)
+    assert sorted(got) == sorted(ref)
+    differ = [k for k in ref if not torch.equal(got[k], ref[k])]
+    assert not differ, f"{len(differ)} tensors differ from the 1-host 2-rank run, e.g. {differ[:3]}"
+
+
+def _run_on_hosts(hosts, cmds: list[list[str]], cwd: Path, env: dict, timeout: float = 300) -> list[str]:
+    """Start cmds[i] on hosts[i]; wait for all; return their outputs (all must exit 0)."""
+    procs = [h.popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     start_new_session=True) for h, c in zip(hosts, cmds)]
+    outs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"host{i} exited {p.returncode}:\n{out[-5000:]}"
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference(django_shards, tmp_path_factory):
+    """The same job on one host with 2 ranks: its final weights."""
+    tmp = tmp_path_factory.mktemp("reference")
+    out = tmp / "run"
+    p = run_launch_sh(["--nproc", "2", "--no-eval", "--out", str(out), "--master_port", str(free_port()),
+                       *_overrides(django_shards)], launch_checkout(tmp), env=_env(tmp), timeout=300)
+    assert p.returncode == 0, p.stdout.decode(errors="replace")[-5000:]
+    return _weights(out)
+
+
+def test_launch_sh_no_ssh_one_launcher_per_host(netns_hosts, reference, django_shards, tmp_path):
+    """README: ``./launch.sh ... --hostfile hosts --num_nodes N --no_ssh --node_rank K --master_addr A`` on each
+    node (DeepSpeed's launcher); the hostfile names the hosts by name, which each host resolves itself."""
+    hosts = netns_hosts(2)
+    checkout = launch_checkout(tmp_path)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h.hostname} slots=1\n" for h in hosts))
+    out = tmp_path / "run"
+    cmds = [["bash", "./launch.sh", "--nproc", "1", "--no-eval", "--out", str(out), "--no_ssh",
+             "--hostfile", str(hostfile), "--num_nodes", "2", "--node_rank", str(k), "--master_addr", hosts[0].addr,
+             *_overrides(django_shards)] for k in (0, 1)]
+    t0 = time.monotonic()
+    outs = _run_on_hosts(list(hosts), cmds, checkout, _env(tmp_path))
+    print(f"2 hosts x 1 rank, deepspeed launcher: {time.monotonic() - t0:.1f}s")
+    assert f"trained {STEPS} steps" in outs[0], outs[0][-3000:]
+    _assert_same_weights(out, reference)
+
+
+def test_torchrun_c10d_rendezvous(netns_hosts, reference, django_shards, tmp_path):
+    """README: ``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:PORT
+    -m scaletrain train ...`` on each node."""
+    hosts = netns_hosts(2)
+    out = tmp_path / "run"
+    torchrun = str(ROOT / ".venv" / "bin" / "torchrun")
+    endpoint = f"{hosts[0].addr}:29511"
+    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+           "--rdzv-id", "job1", "-m", "scaletrain", "train", "--config", "small", f"train.out_dir={out}",
+           *_overrides(django_shards)]
+    t0 = time.monotonic()
+    _run_on_hosts(list(hosts), [cmd, cmd], ROOT, _env(tmp_path))
+    print(f"2 hosts x 1 rank, torchrun c10d: {time.monotonic() - t0:.1f}s")
+    _assert_same_weights(out, reference)
