@@ -115,3 +115,37 @@ def test_torchrun_c10d_rendezvous(netns_hosts, reference, django_shards, tmp_pat
     _run_on_hosts(list(hosts), [cmd, cmd], ROOT, _env(tmp_path))
     print(f"2 hosts x 1 rank, torchrun c10d: {time.monotonic() - t0:.1f}s")
     _assert_same_weights(out, reference)
+
+
+def test_launch_sh_accelerate_on_two_machines(netns_hosts, reference, django_shards, tmp_path):
+    """README: ``./launch.sh --engine accelerate --num_nodes N --node_rank K --master_addr A`` on each node
+    (launch.sh runs ``accelerate launch --num_machines N --machine_rank K --main_process_ip A``)."""
+    hosts = netns_hosts(2)
+    checkout = launch_checkout(tmp_path)
+    out = tmp_path / "run"
+    port = "29512"
+    cmds = [["bash", "./launch.sh", "--engine", "accelerate", "--nproc", "1", "--no-eval", "--out", str(out),
+             "--num_nodes", "2", "--node_rank", str(k), "--master_addr", hosts[0].addr, "--master_port", port,
+             *_overrides(django_shards), "engine.accelerate=deepspeed"] for k in (0, 1)]
+    t0 = time.monotonic()
+    outs = _run_on_hosts(list(hosts), cmds, checkout, _env(tmp_path))
+    print(f"2 hosts x 1 rank, launch.sh --engine accelerate: {time.monotonic() - t0:.1f}s")
+    assert f"trained {STEPS} steps" in outs[0], outs[0][-3000:]
+    _assert_same_weights(out, reference)
+
+
+def test_accelerate_launch_num_machines(netns_hosts, reference, django_shards, tmp_path):
+    """README: ``accelerate launch --config_file ds_configs/accelerate_deepspeed.yaml --num_machines 2
+    --machine_rank K --main_process_ip A --main_process_port P --num_processes 2 -m scaletrain train ...``."""
+    hosts = netns_hosts(2)
+    out = tmp_path / "run"
+    acc = str(ROOT / ".venv" / "bin" / "accelerate")
+    cmds = [[acc, "launch", "--config_file", "ds_configs/accelerate_deepspeed.yaml", "--deepspeed_config_file",
+             "ds_configs/zero1.json", "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip",
+             hosts[0].addr, "--main_process_port", "29513", "--num_processes", "2", "-m", "scaletrain", "train",
+             "--config", "small", f"train.out_dir={out}", *_overrides(django_shards), "engine.backend=accelerate",
+             "engine.accelerate=deepspeed"] for k in (0, 1)]
+    t0 = time.monotonic()
+    _run_on_hosts(list(hosts), cmds, ROOT, _env(tmp_path))
+    print(f"2 hosts x 1 rank, accelerate launch: {time.monotonic() - t0:.1f}s")
+    _assert_same_weights(out, reference)
