@@ -8,15 +8,18 @@ the same global batches, the same reductions, only the transport differs.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+from collections import Counter
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ROOT, free_port, launch_checkout, run_launch_sh, tiny_model
+from helpers import REPLAY_DRIVER, ROOT, free_port, launch_checkout, launcher_env, run_launch_sh, tiny_model
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -72,15 +75,20 @@ def _run_on_hosts(hosts, cmds: list[list[str]], cwd: Path, env: dict, timeout: f
     return outs
 
 
-@pytest.fixture(scope="module")
-def reference(django_shards, tmp_path_factory):
-    """The same job on one host with 2 ranks: its final weights."""
-    tmp = tmp_path_factory.mktemp("reference")
+def _reference(shards: Path, tmp: Path, *args: str) -> dict[str, torch.Tensor]:
     out = tmp / "run"
-    p = run_launch_sh(["--nproc", "2", "--no-eval", "--out", str(out), "--master_port", str(free_port()),
-                       *_overrides(django_shards)], launch_checkout(tmp), env=_env(tmp), timeout=300)
+    p = run_launch_sh(["--nproc", "2", "--no-eval", "--out", str(out), "--master_port", str(free_port()), *args,
+                       *_overrides(shards)], launch_checkout(tmp), env=_env(tmp), timeout=300)
     assert p.returncode == 0, p.stdout.decode(errors="replace")[-5000:]
     return _weights(out)
+
+
+@pytest.fixture(scope="module")
+def reference(django_shards, tmp_path_factory):
+    """The same job on one host with 2 ranks (DeepSpeed engine): its final weights."""
+    return _reference(django_shards, tmp_path_factory.mktemp("reference"))
+
+
 
 
 def test_launch_sh_no_ssh_one_launcher_per_host(netns_hosts, reference, django_shards, tmp_path):
@@ -117,35 +125,38 @@ def test_torchrun_c10d_rendezvous(netns_hosts, reference, django_shards, tmp_pat
     _assert_same_weights(out, reference)
 
 
-def test_launch_sh_accelerate_on_two_machines(netns_hosts, reference, django_shards, tmp_path):
-    """README: ``./launch.sh --engine accelerate --num_nodes N --node_rank K --master_addr A`` on each node
-    (launch.sh runs ``accelerate launch --num_machines N --machine_rank K --main_process_ip A``)."""
-    hosts = netns_hosts(2)
-    checkout = launch_checkout(tmp_path)
-    out = tmp_path / "run"
-    port = "29512"
-    cmds = [["bash", "./launch.sh", "--engine", "accelerate", "--nproc", "1", "--no-eval", "--out", str(out),
-             "--num_nodes", "2", "--node_rank", str(k), "--master_addr", hosts[0].addr, "--master_port", port,
-             *_overrides(django_shards), "engine.accelerate=deepspeed"] for k in (0, 1)]
-    t0 = time.monotonic()
-    outs = _run_on_hosts(list(hosts), cmds, checkout, _env(tmp_path))
-    print(f"2 hosts x 1 rank, launch.sh --engine accelerate: {time.monotonic() - t0:.1f}s")
-    assert f"trained {STEPS} steps" in outs[0], outs[0][-3000:]
-    _assert_same_weights(out, reference)
 
+def test_deepspeed_launcher_two_hosts_stay_in_sync_and_read_disjoint_data(netns_hosts, django_shards, tmp_path):
+    """One `deepspeed` launcher per host with the hostfile, ``--no_ssh --node_rank K --master_addr HOST0``
+    (what launch.sh passes through), fixed-batch replay driver: the hosts end with identical parameters and
+    read disjoint examples (the stream splits blocks by global rank)."""
+    from scaletrain.data.batch import collate
+    from scaletrain.data.shards import read_split
+    from test_engine_replay import batch_pair_hashes
 
-def test_accelerate_launch_num_machines(netns_hosts, reference, django_shards, tmp_path):
-    """README: ``accelerate launch --config_file ds_configs/accelerate_deepspeed.yaml --num_machines 2
-    --machine_rank K --main_process_ip A --main_process_port P --num_processes 2 -m scaletrain train ...``."""
     hosts = netns_hosts(2)
-    out = tmp_path / "run"
-    acc = str(ROOT / ".venv" / "bin" / "accelerate")
-    cmds = [[acc, "launch", "--config_file", "ds_configs/accelerate_deepspeed.yaml", "--deepspeed_config_file",
-             "ds_configs/zero1.json", "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip",
-             hosts[0].addr, "--main_process_port", "29513", "--num_processes", "2", "-m", "scaletrain", "train",
-             "--config", "small", f"train.out_dir={out}", *_overrides(django_shards), "engine.backend=accelerate",
-             "engine.accelerate=deepspeed"] for k in (0, 1)]
-    t0 = time.monotonic()
-    _run_on_hosts(list(hosts), cmds, ROOT, _env(tmp_path))
-    print(f"2 hosts x 1 rank, accelerate launch: {time.monotonic() - t0:.1f}s")
-    _assert_same_weights(out, reference)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{h.hostname} slots=1\n" for h in hosts))
+    job = [{"name": "two", "replay": False, "record": True, "overrides": ["train.max_steps=6", "engine.ds_config=zero1.json"]}]
+    exe = str(Path(sys.executable).with_name("deepspeed"))
+    cmds = [[exe, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k), "--master_addr", hosts[0].addr,
+             "--master_port", "29514", "--no_local_rank", REPLAY_DRIVER, str(tmp_path), str(django_shards),
+             json.dumps(job)] for k in (0, 1)]
+    outs = _run_on_hosts(list(hosts), cmds, ROOT, launcher_env(tmp_path))
+    assert "nnodes=2, num_local_procs=1, node_rank=0" in outs[0]
+    assert "nnodes=2, num_local_procs=1, node_rank=1" in outs[1]
+    res = [json.loads((tmp_path / "two" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in res] == [2, 2] and [r["rank"] for r in res] == [0, 1]
+    assert res[0]["steps"] == res[1]["steps"] == 6 and res[0]["train_loss"] == res[1]["train_loss"]
+    p0 = torch.load(tmp_path / "two" / "params_rank0.pt")
+    p1 = torch.load(tmp_path / "two" / "params_rank1.pt")
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+    # disjoint data: a pair seen by both hosts must be one that occurs more than once in the corpus
+    seen0, seen1 = set(res[0]["seen"]), set(res[1]["seen"])
+    assert len(seen0) > 20 and len(seen1) > 20
+    max_bytes = 40  # TINY's data.max_bytes
+    counts = Counter(h for ex in read_split(django_shards, "train") for h in batch_pair_hashes(collate([ex], max_bytes)))
+    assert seen0 | seen1 <= set(counts)  # the hashes really are pairs of the corpus
+    shared = seen0 & seen1
+    assert all(counts[h] > 1 for h in shared), [h for h in shared if counts[h] == 1]
