@@ -160,3 +160,29 @@ def test_deepspeed_launcher_two_hosts_stay_in_sync_and_read_disjoint_data(netns_
     assert seen0 | seen1 <= set(counts)  # the hashes really are pairs of the corpus
     shared = seen0 & seen1
     assert all(counts[h] > 1 for h in shared), [h for h in shared if counts[h] == 1]
+
+
+def test_own_name_on_127_0_1_1_still_trains(netns_hosts, django_shards, tmp_path):
+    """Each host's own name resolves to 127.0.1.1 (Debian's and Ubuntu's default /etc/hosts): without a
+    chosen interface gloo advertises 127.0.1.1, the peer is refused and the other host waits for ever. Each
+    rank picks the interface that routes to MASTER_ADDR (scaletrain/engine/netif.py) and the job trains."""
+    hosts = netns_hosts(2)
+    hosts.write_hosts_files(own_name="loopback")
+    try:
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"{h.hostname} slots=1\n" for h in hosts))
+        job = [{"name": "lb", "replay": False, "record": False, "overrides": ["train.max_steps=2"]}]
+        exe = str(Path(sys.executable).with_name("deepspeed"))
+        cmds = [[exe, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k), "--master_addr", hosts[0].addr,
+                 "--master_port", "29516", "--no_local_rank", REPLAY_DRIVER, str(tmp_path), str(django_shards),
+                 json.dumps(job)] for k in (0, 1)]
+        env = launcher_env(tmp_path)
+        for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.pop(v, None)
+        t0 = time.monotonic()
+        _run_on_hosts(list(hosts), cmds, ROOT, env, timeout=120)
+        print(f"127.0.1.1 hosts: trained in {time.monotonic() - t0:.1f}s")
+        res = [json.loads((tmp_path / "lb" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+        assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == 2
+    finally:
+        hosts.write_hosts_files(own_name="self")
