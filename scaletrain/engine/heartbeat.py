@@ -10,7 +10,8 @@ cannot name which host is gone. So every rank runs one daemon thread that adds 1
 job's rendezvous store (torch's TCPStore, the one ``init_process_group`` used: a new client connection to
 it, ``Store.clone``) every ``interval`` seconds and reads everyone's counters with one ``multi_get``. A rank
 whose counter has not moved for ``peer_timeout_s`` is lost; a store this rank cannot reach for that long
-means rank 0's host is lost (the store lives there). The thread then prints one line naming the lost
+means rank 0's host is lost (the store lives there; a second thread watches the age of the last store
+request that went through, since a request to a host cut off can block without a timeout). It then prints one line naming the lost
 host(s) by hostname and their ranks, and the last good checkpoint, and ends the process with
 :data:`PEER_LOST_EXIT` (the main thread may be stuck in a collective that nothing else can interrupt).
 
@@ -152,15 +153,25 @@ class Heartbeat:
 
     # -- the thread --------------------------------------------------------------------------------------
     def start(self, on_lost: Callable[[list[int], bool], None]) -> "Heartbeat":
-        def run():
+        """Two daemon threads: one beats and reads (a store request to a host cut off from the network can
+        block with no timeout), one watches the results and the age of the last request that went through."""
+        self._lost: list[int] = []
+
+        def beat():
             while not self._stop.wait(self.interval_s):
-                lost, store_lost = self.poll()
+                lost, _ = self.poll()
+                self._lost = lost
+
+        def watch():
+            while not self._stop.wait(self.interval_s):
+                lost, store_lost = self._lost, self.clock() - self.store_ok >= self.timeout_s
                 if (lost or store_lost) and not self._stop.is_set():
                     on_lost(lost, store_lost)
                     return
 
-        self._thread = threading.Thread(target=run, name="scaletrain-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=beat, name="scaletrain-heartbeat", daemon=True)
         self._thread.start()
+        threading.Thread(target=watch, name="scaletrain-heartbeat-watch", daemon=True).start()
         return self
 
 
