@@ -30,7 +30,10 @@ options:
 Only the bundled corpus (data.shards=shards/django, the CPU default) and the catalogs corpus (shards/catalogs,
 from every gettext catalog of this machine: the GPU default) are built here when missing; any other
 data.shards must hold shards written by 'scaletrain prepare' (else one error line, exit 2, nothing started).
-At the end: the commands to try next on this run (translate, evaluate with a beam, compare, export, mlflow ui).
+At the end: the commands to try next on this run (translate, evaluate with a beam, compare, export, mlflow ui),
+on node 0 only (--node_rank 0 or none); the other nodes print one line each.
+A lost node or rank (killed, cut off from the network): exit code 76 (retry) on every surviving node;
+re-run with the same --out to resume from the last checkpoint.
 SIGTERM/SIGINT/SIGUSR1 to this script or the job's process group: every rank checkpoints at the next step
 boundary, the MLflow run ends KILLED, exit code 75; re-run with the same --out to resume.
 USAGE
@@ -133,6 +136,10 @@ fi
 # and every rank (the deepspeed runner forwards signals only for multi-node launches). The ranks
 # checkpoint at the next step boundary and exit; we exit 75 and a re-run with the same --out resumes.
 rm -f "$out/preempted.json"
+# A lost peer or host (exit 76: retry): the ranks write their code here too, because torchrun and
+# `accelerate launch` exit 1 whatever code a rank ended with (DeepSpeed's launchers pass it on).
+exit_file=$(mktemp "${TMPDIR:-/tmp}/scaletrain-exit.XXXXXX")
+export SCALETRAIN_EXIT_FILE="$exit_file"
 set -m  # the launcher and its ranks get a process group of their own
 "${launch_cmd[@]}" &
 child=$!
@@ -146,7 +153,18 @@ if [[ -f "$out/preempted.json" ]]; then
   echo "== preempted: $(cat "$out/preempted.json"); re-run with --out $out (same arguments) to resume" >&2
   exit 75
 fi
+rank_code=$(cat "$exit_file" 2>/dev/null || true); rm -f "$exit_file"
+if [[ $rc -ne 0 && "$rank_code" == 76 ]]; then
+  echo "== a peer or host was lost (exit 76: retry): re-run the same command (--out $out) to resume from the last checkpoint" >&2
+  exit 76
+fi
 [[ $rc -eq 0 ]] || exit "$rc"
+node_rank=${launcher_opt[node_rank]:-0}
+if [[ "$node_rank" != 0 ]]; then  # one voice per job: the summary and next commands are node 0's
+  wait "$store_pid" 2>/dev/null || true
+  echo "== $(hostname) (node $node_rank): training done; the summary and the commands to try next are on node 0"
+  exit 0
+fi
 wait "$store_pid" 2>/dev/null || true
 t1=$(date +%s)
 echo "== training took $((t1 - t0))s"

@@ -2,7 +2,8 @@
 
 Every subcommand is a module of :mod:`scaletrain.commands` that registers itself. Errors a user can fix
 are printed as one line without a traceback (``--debug`` shows one), exit code 2; running out of memory
-(:mod:`scaletrain.oom`) is one line too, anywhere, exit code :data:`~scaletrain.oom.OOM_EXIT` (71).
+(:mod:`scaletrain.oom`) is one line too, anywhere, exit code :data:`~scaletrain.oom.OOM_EXIT` (71); a lost
+peer rank or host is exit code 76 (retry: :mod:`scaletrain.engine.heartbeat`).
 Before a command runs, this module sets up the console (:func:`scaletrain.console.setup_console`: our log
 lines, the libraries' noise filtered unless ``--verbose``) and, for the commands that decode (``evaluate``,
 ``translate``), torch's CPU threads (:func:`scaletrain.threads.apply_threads`, ``--threads N``). Building
@@ -101,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"scaletrain: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)  # 2: fix the input; OOM_EXIT: out of memory
+        code = getattr(e, "exit_code", 2)  # 2: fix the input; OOM_EXIT: out of memory; 76: a peer was lost (retry)
+        if code == 76:
+            from scaletrain.engine.heartbeat import record_exit
+
+            record_exit(code)  # for launch.sh under torchrun / accelerate launch, which exit 1
+        return code
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)
         return 130

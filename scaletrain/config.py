@@ -225,6 +225,10 @@ class EngineConfig:
     collective_timeout_minutes: float = 10.0
     """gloo/NCCL collective timeout in minutes (> 0): a rank blocked this long on a dead or stuck peer fails
     instead of waiting."""
+    peer_timeout_s: float = 60.0
+    """A rank whose heartbeat (a counter in the rendezvous store, bumped every few seconds by a thread) has
+    not moved this long is lost: every surviving rank stops with one line naming its host and ranks, exit
+    code 76 (retry). Catches a host cut off mid-step long before ``collective_timeout_minutes``; 0 = off."""
 
     def validate(self) -> None:
         _check_choice("engine.backend", self.backend, ("deepspeed", "accelerate"))
@@ -240,6 +244,8 @@ class EngineConfig:
             _bad("engine.fp16_min_loss_scale", "must be > 0")
         if self.collective_timeout_minutes <= 0:
             _bad("engine.collective_timeout_minutes", "must be > 0")
+        if self.peer_timeout_s < 0:
+            _bad("engine.peer_timeout_s", "must be >= 0 (0 = no heartbeat)")
 
 
 @dataclass

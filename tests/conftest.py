@@ -109,3 +109,28 @@ def fresh_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def netns_hosts():
+    """A factory of namespace hosts (tests/netns_hosts.py) for this module: ``netns_hosts(n)`` makes ``n``
+    hosts joined by a bridge, once per module and ``n`` (later calls return the same set); everything is
+    removed when the module ends. Where namespaces cannot be made (not root), the test skips with the
+    reason, except under CI (``CI=true``), where it fails: CI runs as root and must run these tests."""
+    import netns_hosts as nh
+
+    reason = nh.unavailable_reason()
+    if reason:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true and {reason}", pytrace=False)
+        pytest.skip(reason)
+    sets: dict[int, "nh.HostSet"] = {}
+
+    def make(n: int = 2):
+        if n not in sets:
+            sets[n] = nh.make_hosts(n)
+        return sets[n]
+
+    yield make
+    for s in sets.values():
+        s.close()

@@ -19,6 +19,7 @@ import os
 import torch
 
 from scaletrain.engine.engine import Backend, min_loss_scale_error
+from scaletrain.engine.netif import choose_socket_ifname
 from scaletrain.engine.env import check_accelerate_launch, configure_threads, start_accelerator
 from scaletrain.engine.experts import expert_setup
 from scaletrain.engine.optim import build_optimizer
@@ -39,6 +40,7 @@ class DDPBackend(Backend):
     def start(self, cfg) -> None:
         check_accelerate_launch(cfg)
         configure_threads(cfg)
+        choose_socket_ifname()  # before the process group: the interface that reaches the rendezvous
         expected = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, expected)
         for noisy in ("accelerate", "accelerate.checkpointing", "accelerate.accelerator"):

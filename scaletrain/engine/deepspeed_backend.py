@@ -26,6 +26,7 @@ import torch
 import scaletrain.engine.deepspeed_internals as dsi
 from scaletrain.engine.ds_config import runtime_ds_config, zero_stage
 from scaletrain.engine.engine import MOMENTS, Backend, WholeState, init_adam_state, min_loss_scale_error
+from scaletrain.engine.netif import choose_socket_ifname
 from scaletrain.engine.env import (check_accelerate_launch, collective_timeout, configure_threads, ensure_dist_env,
                                   start_accelerator)
 from scaletrain.engine.experts import expert_setup
@@ -61,6 +62,7 @@ class DeepSpeedBackend(Backend):
         if self.accelerate:
             check_accelerate_launch(cfg)
         configure_threads(cfg)
+        choose_socket_ifname()  # before the process group: the interface that reaches the rendezvous
         ensure_dist_env()
         world = int(os.environ["WORLD_SIZE"])
         self.ds_config = runtime_ds_config(preflight(cfg, world))  # bf16 at ZeRO-0 as torch autocast

@@ -8,7 +8,9 @@ a rank blocked on a dead or hung peer fails within that bound instead of torch's
 10 min NCCL); a peer that died outright closes its sockets and the blocked collective fails at once.
 Every rank records all ranks' (host, pid) at start; when a collective fails, each surviving rank looks
 up which peers on its host are gone and stops with one line naming them (``rank 1 (pid 123 on host)
-died``). Peers on other hosts cannot be checked from here: the line names them as candidates.
+died``). Peers on other hosts are named by the heartbeat (``heartbeat.py``: whose counters in the
+rendezvous store stopped), which also stops every rank within ``engine.peer_timeout_s`` when a host is cut
+off. Either way the exit code is 76 (:data:`~scaletrain.engine.heartbeat.PEER_LOST_EXIT`): retry.
 """
 from __future__ import annotations
 
@@ -145,31 +147,41 @@ class Peers:
                 out.append(r)
         return out
 
-    def explain(self, e: BaseException):
-        """A :class:`ScaletrainError` for a collective that failed because a peer died or hung, else None
-        (not a collective failure: the caller re-raises the original)."""
-        from scaletrain.errors import ScaletrainError
+    def explain(self, e: BaseException, heartbeat=None, resume: str = ""):
+        """A :class:`~scaletrain.engine.heartbeat.PeerLost` (exit code 76: retry) for a collective that failed
+        because a peer died or hung, else None (not a collective failure: the caller re-raises the original).
+        Peers on this host are checked by pid; peers on other hosts by the ``heartbeat``
+        (:meth:`~scaletrain.engine.heartbeat.Heartbeat.confirm`: whose counters stopped), which names their
+        host. ``resume``: what the last good checkpoint is and how to resume from it."""
+        from scaletrain.engine.heartbeat import PEER_LOST_EXIT, PeerLost, describe_lost, lost_line
 
         if self.world_size == 1 or not isinstance(e, RuntimeError):
             return None
+        text = str(e).lower()
+        collective = any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket",
+                                             "broken pipe"))
         dead = self.dead()
         deadline = time.monotonic() + 3.0  # a killed peer's sockets close while its process is still exiting
-        while not dead and time.monotonic() < deadline:
+        while not dead and collective and time.monotonic() < deadline:
             time.sleep(0.1)
             dead = self.dead()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        resume = "re-run the same command to resume from the last checkpoint"
+        resume = resume or "re-run the same command to resume from the last checkpoint"
         if dead:
             who = ", ".join(f"rank {r} (pid {self.table[r][1]} on {self.table[r][0]})" for r in dead)
-            return ScaletrainError(f"{who} died; rank {self.rank} stops ({first}); see the dead rank's own output "
-                                   f"for its cause, then {resume}")
-        text = str(e).lower()
-        if not any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket",
-                                       "broken pipe")):
+            return PeerLost(f"{who} died; rank {self.rank} stops ({first}; exit {PEER_LOST_EXIT}: retry); see the "
+                            f"dead rank's own output for its cause, then {resume}")
+        if not collective:
             return None
         host = socket.gethostname()
+        if heartbeat is not None:  # peers on other hosts whose heartbeats stopped: their host is lost
+            lost, store_lost = heartbeat.confirm()
+            lost = [r for r in lost if self.table[r][0] != host]
+            if lost or store_lost:
+                return PeerLost(lost_line(self.rank, lost, store_lost, self.table, heartbeat.timeout_s, resume,
+                                          cause=f"collective failed ({first})"))
         remote = [r for r, (h, _) in enumerate(self.table) if h != host]
-        where = (f"no rank on {host} died; the failed peer is one of ranks {remote} on other hosts" if remote else
-                 f"every rank on {host} is alive: a peer is hung or the network failed")
-        return ScaletrainError(f"collective failed on rank {self.rank} ({first}); {where}; a hung peer fails after "
-                               f"engine.collective_timeout_minutes; {resume}")
+        where = (f"no rank on {host} died; the failed peer is one of {describe_lost(remote, self.table)} on other "
+                 f"hosts" if remote else f"every rank on {host} is alive: a peer is hung or the network failed")
+        return PeerLost(f"collective failed on rank {self.rank} ({first}); {where}; a hung peer fails after "
+                        f"engine.collective_timeout_minutes (exit {PEER_LOST_EXIT}: retry); {resume}")

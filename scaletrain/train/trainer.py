@@ -31,6 +31,8 @@ from scaletrain.data.sources import run_source
 from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
 from scaletrain.engine.env import Peers
+from scaletrain.engine.heartbeat import start_heartbeat
+from scaletrain.engine.shared_dir import check_shared_run_dir
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
@@ -84,6 +86,7 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.engine = eng = engine if engine is not None else build_engine(cfg)
+        check_shared_run_dir(cfg.out_dir, eng.rank, eng.world_size)  # every host sees it, or one line, exit 2
         self.manifest = load_manifest(run_source(cfg.data))
         self.vocab = load_shard_vocab(self.manifest.languages, cfg.data.tokenizer, cfg.data.shards,
                                       vocab_size=cfg.data.spm_vocab_size)
@@ -104,6 +107,8 @@ class Trainer:
         self._pending: list = []  # (step, StepOutput, host batches, stream position) not yet read (_settle)
         self.peers = Peers(eng.rank, eng.world_size)  # who is where: named in the line when a peer dies
         self.preempted = False
+        # a lost host (killed, cut off) stops every rank within engine.peer_timeout_s, named (heartbeat.py)
+        self.heartbeat = start_heartbeat(cfg, eng.rank, eng.world_size, self.peers.table, self._resume_note)
 
     def _components(self, cfg: Config, eng: Engine) -> None:
         """The components around the step, each given the keys it uses (``X.for_run(cfg, ...)`` where building
@@ -147,15 +152,23 @@ class Trainer:
         try:
             return self._fit()
         except Exception as e:
-            if is_oom(e):  # one line (its stage's, else the step's) ending with the checkpoint a re-run resumes from
-                line = as_oom(e, f"training step {self.state.step + 1}", "lower data.max_tokens", self.engine.device)
-                line.after = line.after or self._resume_note()
-                if line is e:
-                    raise
-                raise line from e
-            err = self.peers.explain(e)  # a collective failed because a peer died or hung: one line naming it
-            if err is None:
+            self._explain(e)
+            raise
+        finally:
+            if self.heartbeat is not None:  # finished or failed: the peers stop watching this rank
+                self.heartbeat.done()
+
+    def _explain(self, e: Exception) -> None:
+        """Raise the one-line error for ``e`` (out of memory, a lost peer); return where there is none."""
+        if is_oom(e):  # one line (its stage's, else the step's) ending with the checkpoint a re-run resumes from
+            line = as_oom(e, f"training step {self.state.step + 1}", "lower data.max_tokens", self.engine.device)
+            line.after = line.after or self._resume_note()
+            if line is e:
                 raise
+            raise line from e
+        # a collective failed because a peer died or hung: one line naming it, exit code 76 (retry)
+        err = self.peers.explain(e, self.heartbeat, self._resume_note())
+        if err is not None:
             raise err from None
 
     def _resume_note(self) -> str:

@@ -76,7 +76,7 @@ def test_sampler_survives_a_server_outage_and_resumes(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_two_nodes_report_system_metrics_on_the_one_run(django_shards, tmp_path):
-    """Two `deepspeed` launchers (one rank each) with a hostfile on 127.0.0.1, as in test_engine_two_node."""
+    """Two `deepspeed` launchers (one rank each) with a hostfile on 127.0.0.1, as in test_multi_host (there on namespace hosts)."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     env = launcher_env(tmp_path)  # MLFLOW_TRACKING_URI: a SQLite store in tmp_path
