@@ -94,6 +94,7 @@ class Heartbeat:
         self._made = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- the logic ---------------------------------------------------------------------------------------
     def beat(self) -> None:
@@ -144,12 +145,18 @@ class Heartbeat:
                 if r != self.rank and now[r] < DONE and now[r] == base[r]], False
 
     def done(self) -> None:
-        """This rank finished: its peers stop watching it; the thread stops."""
+        """This rank finished: its peers stop watching it; both threads stop and are joined, and the store
+        connection is dropped here, not left to a thread still running at the interpreter's exit (a C++ store
+        destroyed then aborts the process) or into the next job of the same process."""
         self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2 * self.interval_s + 5)  # a store request in flight ends within its own timeout
+        self._threads = []
         try:
             self.store.add(self.keys[self.rank], DONE)
         except Exception:  # noqa: BLE001 - best effort at the end of a job
             pass
+        self.store = None  # this rank's own connection, closed before the process group goes
 
     # -- the thread --------------------------------------------------------------------------------------
     def start(self, on_lost: Callable[[list[int], bool], None]) -> "Heartbeat":
@@ -170,8 +177,9 @@ class Heartbeat:
                     return
 
         self._thread = threading.Thread(target=beat, name="scaletrain-heartbeat", daemon=True)
-        self._thread.start()
-        threading.Thread(target=watch, name="scaletrain-heartbeat-watch", daemon=True).start()
+        self._threads = [self._thread, threading.Thread(target=watch, name="scaletrain-heartbeat-watch", daemon=True)]
+        for t in self._threads:
+            t.start()
         return self
 
 
