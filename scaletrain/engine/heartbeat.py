@@ -148,6 +148,8 @@ class Heartbeat:
         """This rank finished: its peers stop watching it; both threads stop and are joined, and the store
         connection is dropped here, not left to a thread still running at the interpreter's exit (a C++ store
         destroyed then aborts the process) or into the next job of the same process."""
+        if self.store is None:  # already done
+            return
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2 * self.interval_s + 5)  # a store request in flight ends within its own timeout

@@ -359,6 +359,8 @@ class Trainer:
             self.recorder.close("KILLED" if self.preempted and status == "FINISHED" else status, reason)
         finally:
             self.preemption.uninstall()
+            if self.heartbeat is not None:  # a trainer closed without fit (or after it): the threads end here
+                self.heartbeat.done()
 
 
 def train(cfg: Config) -> TrainResult:
