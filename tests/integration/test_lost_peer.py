@@ -119,7 +119,11 @@ def test_a_rank_that_stops_answering_is_found_by_the_heartbeat_within_peer_timeo
         t0 = time.time()
         wait_for_log(p, log, "scaletrain: error:", timeout=60)  # rank 0's line, then its exit
         took = time.time() - t0
-        os.kill(pid1, signal.SIGKILL)  # else the launcher waits 30 s for the stopped rank to end
+        # The launcher polls its ranks as a set, in no fixed order: kill the stopped rank only once it has
+        # taken rank 0's code ("Killing subprocess" follows), else it may report rank 1's -9 instead of 76.
+        # Killing it then spares the 30 s the launcher gives a stopped rank to end after SIGTERM.
+        wait_for_log(p, log, "Killing subprocess", timeout=60)
+        os.kill(pid1, signal.SIGKILL)
         rc = p.wait(timeout=60)
     finally:
         if pid1 is not None:
