@@ -229,6 +229,11 @@ class EngineConfig:
     """A rank whose heartbeat (a counter in the rendezvous store, bumped every few seconds by a thread) has
     not moved this long is lost: every surviving rank stops with one line naming its host and ranks, exit
     code 76 (retry). Catches a host cut off mid-step long before ``collective_timeout_minutes``; 0 = off."""
+    rendezvous_timeout_s: float = 60.0
+    """The process group must start (every peer connected) within this many seconds of this rank's start of
+    it, else the rank stops with one line naming its host, the address it advertised and the variable to set
+    (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``), exit 2. Raise it where the hosts of a job are started
+    far apart; 0 = no bound (the collective timeout applies)."""
 
     def validate(self) -> None:
         _check_choice("engine.backend", self.backend, ("deepspeed", "accelerate"))
@@ -246,6 +251,8 @@ class EngineConfig:
             _bad("engine.collective_timeout_minutes", "must be > 0")
         if self.peer_timeout_s < 0:
             _bad("engine.peer_timeout_s", "must be >= 0 (0 = no heartbeat)")
+        if self.rendezvous_timeout_s < 0:
+            _bad("engine.rendezvous_timeout_s", "must be >= 0 (0 = no bound)")
 
 
 @dataclass

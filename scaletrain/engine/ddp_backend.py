@@ -20,6 +20,7 @@ import torch
 
 from scaletrain.engine.engine import Backend, min_loss_scale_error
 from scaletrain.engine.netif import choose_socket_ifname
+from scaletrain.engine.rendezvous import bounded_start
 from scaletrain.engine.env import check_accelerate_launch, configure_threads, start_accelerator
 from scaletrain.engine.experts import expert_setup
 from scaletrain.engine.optim import build_optimizer
@@ -40,12 +41,13 @@ class DDPBackend(Backend):
     def start(self, cfg) -> None:
         check_accelerate_launch(cfg)
         configure_threads(cfg)
-        choose_socket_ifname()  # before the process group: the interface that reaches the rendezvous
         expected = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, expected)
         for noisy in ("accelerate", "accelerate.checkpointing", "accelerate.accelerator"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        self.acc = start_accelerator(cfg, expected)
+        with bounded_start(cfg):  # every peer connected within engine.rendezvous_timeout_s, or one line
+            choose_socket_ifname()  # before the process group: the interface that reaches the rendezvous
+            self.acc = start_accelerator(cfg, expected)
         self.rank, self.world_size = self.acc.process_index, self.acc.num_processes
         self.local_rank, self.device = self.acc.local_process_index, self.acc.device
         self.fp16_min_loss_scale = float(cfg.engine.fp16_min_loss_scale)

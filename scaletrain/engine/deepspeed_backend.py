@@ -27,6 +27,7 @@ import scaletrain.engine.deepspeed_internals as dsi
 from scaletrain.engine.ds_config import runtime_ds_config, zero_stage
 from scaletrain.engine.engine import MOMENTS, Backend, WholeState, init_adam_state, min_loss_scale_error
 from scaletrain.engine.netif import choose_socket_ifname
+from scaletrain.engine.rendezvous import bounded_start
 from scaletrain.engine.env import (check_accelerate_launch, collective_timeout, configure_threads, ensure_dist_env,
                                   start_accelerator)
 from scaletrain.engine.experts import expert_setup
@@ -62,15 +63,16 @@ class DeepSpeedBackend(Backend):
         if self.accelerate:
             check_accelerate_launch(cfg)
         configure_threads(cfg)
-        choose_socket_ifname()  # before the process group: the interface that reaches the rendezvous
         ensure_dist_env()
         world = int(os.environ["WORLD_SIZE"])
         self.ds_config = runtime_ds_config(preflight(cfg, world))  # bf16 at ZeRO-0 as torch autocast
         self.zero_stage = int(zero_stage(self.ds_config))
         for noisy in ("DeepSpeed", "accelerate", "accelerate.checkpointing", "accelerate.accelerator"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        # Accelerate would pick DeepSpeed's default backend (ccl on CPU): gloo (or nccl) is started here first
-        dsi.init_distributed("nccl" if torch.cuda.is_available() else "gloo", collective_timeout(cfg))
+        with bounded_start(cfg):  # every peer connected within engine.rendezvous_timeout_s, or one line
+            choose_socket_ifname()  # before the process group: the interface that reaches the rendezvous
+            # Accelerate would pick DeepSpeed's default backend (ccl on CPU): gloo (or nccl) is started here first
+            dsi.init_distributed("nccl" if torch.cuda.is_available() else "gloo", collective_timeout(cfg))
         if self.accelerate:
             from accelerate.utils import DeepSpeedPlugin
 
