@@ -55,8 +55,9 @@ def _assert_same_weights(run: Path, ref: dict[str, torch.Tensor]) -> None:
     assert not differ, f"{len(differ)} tensors differ from the 1-host 2-rank run, e.g. {differ[:3]}"
 
 
-def _run_on_hosts(hosts, cmds: list[list[str]], cwd: Path, env: dict, timeout: float = 300) -> list[str]:
-    """Start cmds[i] on hosts[i]; wait for all; return their outputs (all must exit 0)."""
+def _run_on_hosts(hosts, cmds: list[list[str]], cwd: Path, env: dict, timeout: float = 300,
+                  codes: list[int] | None = None) -> list[str]:
+    """Start cmds[i] on hosts[i]; wait for all; return their outputs (all must exit 0, or ``codes[i]``)."""
     procs = [h.popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                      start_new_session=True) for h, c in zip(hosts, cmds)]
     outs = []
@@ -71,7 +72,8 @@ def _run_on_hosts(hosts, cmds: list[list[str]], cwd: Path, env: dict, timeout: f
                 os.killpg(p.pid, 9)
                 p.wait()
     for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"host{i} exited {p.returncode}:\n{out[-5000:]}"
+        want = codes[i] if codes else 0
+        assert p.returncode == want, f"host{i} exited {p.returncode}, not {want}:\n{out[-5000:]}"
     return outs
 
 
@@ -93,7 +95,8 @@ def reference(django_shards, tmp_path_factory):
 
 def test_launch_sh_no_ssh_one_launcher_per_host(netns_hosts, reference, django_shards, tmp_path):
     """README: ``./launch.sh ... --hostfile hosts --num_nodes N --no_ssh --node_rank K --master_addr A`` on each
-    node (DeepSpeed's launcher); the hostfile names the hosts by name, which each host resolves itself."""
+    node (DeepSpeed's launcher); the hostfile names the hosts by name, which each host resolves itself. One
+    voice per job: only node 0 prints the end-of-job summary and the commands to try next."""
     hosts = netns_hosts(2)
     checkout = launch_checkout(tmp_path)
     hostfile = tmp_path / "hosts"
@@ -105,8 +108,15 @@ def test_launch_sh_no_ssh_one_launcher_per_host(netns_hosts, reference, django_s
     t0 = time.monotonic()
     outs = _run_on_hosts(list(hosts), cmds, checkout, _env(tmp_path))
     print(f"2 hosts x 1 rank, deepspeed launcher: {time.monotonic() - t0:.1f}s")
-    assert f"trained {STEPS} steps" in outs[0], outs[0][-3000:]
     _assert_same_weights(out, reference)
+    # one voice per job: host 0 prints the end-of-job summary and the commands to try next, host 1 one line
+    node0, node1 = outs
+    assert f"trained {STEPS} steps" in node0 and "== next: try these on this run" in node0, node0[-3000:]
+    assert "== training took" in node0, node0[-3000:]
+    assert "== next" not in node1 and "trained " not in node1 and "== training took" not in node1, node1[-3000:]
+    done = [ln for ln in node1.splitlines() if "training done" in ln]
+    assert done == [f"== {hosts[1].hostname} (node 1): training done; the summary and the commands to try next "
+                    "are on node 0"], node1[-3000:]
 
 
 def test_torchrun_c10d_rendezvous(netns_hosts, reference, django_shards, tmp_path):
@@ -186,3 +196,35 @@ def test_own_name_on_127_0_1_1_still_trains(netns_hosts, django_shards, tmp_path
         assert [r["world_size"] for r in res] == [2, 2] and res[0]["steps"] == res[1]["steps"] == 2
     finally:
         hosts.write_hosts_files(own_name="self")
+
+
+def test_a_wrong_interface_stops_both_hosts_within_the_rendezvous_bound(netns_hosts, django_shards, tmp_path):
+    """GLOO_SOCKET_IFNAME=lo set by the user on both hosts (an interface the peers cannot reach): without a
+    bound host 0 waits in gloo's connect for the whole collective timeout with no line. With
+    ``engine.rendezvous_timeout_s`` both hosts stop within it, each with one line naming the host, the
+    address it advertised and the variable to set; exit 2 (fix the setting)."""
+    hosts = netns_hosts(2)
+    checkout = launch_checkout(tmp_path)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h.hostname} slots=1\n" for h in hosts))
+    out = tmp_path / "run"
+    bound = 10
+    cmds = [["bash", "./launch.sh", "--nproc", "1", "--no-eval", "--out", str(out), "--no_ssh",
+             "--hostfile", str(hostfile), "--num_nodes", "2", "--node_rank", str(k), "--master_addr", hosts[0].addr,
+             *_overrides(django_shards), f"engine.rendezvous_timeout_s={bound}"] for k in (0, 1)]
+    env = {**_env(tmp_path), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    t0 = time.monotonic()
+    outs = _run_on_hosts(list(hosts), cmds, checkout, env, timeout=150, codes=[2, 2])
+    took = time.monotonic() - t0
+    print(f"GLOO_SOCKET_IFNAME=lo on 2 hosts, engine.rendezvous_timeout_s={bound}: both stopped after {took:.1f}s")
+    assert took < bound + 60, took  # the launch itself (imports, launcher) takes seconds; the default wait is 10 min
+    for h, text in zip(hosts, outs):
+        lines = [ln for ln in text.splitlines() if ln.startswith("scaletrain: error:")]
+        assert len(lines) == 1, text[-3000:]
+        line = lines[0]
+        print(line)
+        assert f"scaletrain: error: {h.hostname} (rank " in line, line
+        assert "it advertises 127.0.0.1 (interface lo, from GLOO_SOCKET_IFNAME)" in line, line
+        assert f"the rendezvous at {hosts[0].addr}:" in line and "set GLOO_SOCKET_IFNAME" in line, line
+        assert "(here eth0, which routes to MASTER_ADDR)" in line and "Traceback" not in text, line
+    assert not (out / "checkpoints").exists()
