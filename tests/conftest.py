@@ -22,7 +22,7 @@ LONGEST_FIRST = (
     "test_compile_variants", "test_checkpoint_resume", "test_checkpoint_safe_loading",
     "test_gpu_check_cpu", "test_tracking_outage", "test_engine_equivalence", "test_moe_ep_training", "test_compare_models", "test_system_metrics",
     "test_nonfinite_two_ranks", "test_compile_engines", "test_rank_crash", "test_learning",
-    "test_launch_quiet_start", "test_lost_host", "test_bootstrap", "test_moe_ep_eval",
+    "test_lost_host", "test_launch_quiet_start", "test_bootstrap", "test_moe_ep_eval",
 )
 
 

@@ -161,7 +161,10 @@ class Peers:
         collective = any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket",
                                              "broken pipe"))
         dead = self.dead()
-        deadline = time.monotonic() + 3.0  # a killed peer's sockets close while its process is still exiting
+        host = socket.gethostname()
+        local_peers = any(h == host and r != self.rank for r, (h, _) in enumerate(self.table))
+        # a killed peer's sockets close while its process is still exiting: wait for it, if one is on this host
+        deadline = time.monotonic() + (3.0 if local_peers else 0.0)
         while not dead and collective and time.monotonic() < deadline:
             time.sleep(0.1)
             dead = self.dead()
@@ -173,7 +176,6 @@ class Peers:
                             f"dead rank's own output for its cause, then {resume}")
         if not collective:
             return None
-        host = socket.gethostname()
         if heartbeat is not None:  # peers on other hosts whose heartbeats stopped: their host is lost
             lost, store_lost = heartbeat.confirm()
             lost = [r for r in lost if self.table[r][0] != host]
