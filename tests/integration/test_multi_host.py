@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 import time
 from pathlib import Path
 
@@ -136,40 +135,24 @@ def test_torchrun_c10d_rendezvous(netns_hosts, reference, django_shards, tmp_pat
 
 
 
-def test_deepspeed_launcher_two_hosts_stay_in_sync_and_read_disjoint_data(netns_hosts, django_shards, tmp_path):
-    """One `deepspeed` launcher per host with the hostfile, ``--no_ssh --node_rank K --master_addr HOST0``
-    (what launch.sh passes through), fixed-batch replay driver: the hosts end with identical parameters and
-    read disjoint examples (the stream splits blocks by global rank)."""
-    from scaletrain.data.batch import collate
-    from scaletrain.data.shards import read_split
-    from test_engine_replay import batch_pair_hashes
-
+def test_launch_sh_engine_accelerate_on_two_hosts(netns_hosts, django_shards, tmp_path_factory):
+    """README: ``./launch.sh --engine accelerate`` with ``--num_nodes 2 --node_rank K --master_addr HOST0`` on
+    each node (``accelerate launch --num_machines 2 --machine_rank K --main_process_ip HOST0``, plain DDP):
+    the final weights are bitwise those of the same job with 2 ranks on one host (``--engine accelerate
+    --nproc 2``)."""
     hosts = netns_hosts(2)
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{h.hostname} slots=1\n" for h in hosts))
-    job = [{"name": "two", "replay": False, "record": True, "overrides": ["train.max_steps=6", "engine.ds_config=zero1.json"]}]
-    exe = str(Path(sys.executable).with_name("deepspeed"))
-    cmds = [[exe, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k), "--master_addr", hosts[0].addr,
-             "--master_port", "29514", "--no_local_rank", REPLAY_DRIVER, str(tmp_path), str(django_shards),
-             json.dumps(job)] for k in (0, 1)]
-    outs = _run_on_hosts(list(hosts), cmds, ROOT, launcher_env(tmp_path))
-    assert "nnodes=2, num_local_procs=1, node_rank=0" in outs[0]
-    assert "nnodes=2, num_local_procs=1, node_rank=1" in outs[1]
-    res = [json.loads((tmp_path / "two" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["world_size"] for r in res] == [2, 2] and [r["rank"] for r in res] == [0, 1]
-    assert res[0]["steps"] == res[1]["steps"] == 6 and res[0]["train_loss"] == res[1]["train_loss"]
-    p0 = torch.load(tmp_path / "two" / "params_rank0.pt")
-    p1 = torch.load(tmp_path / "two" / "params_rank1.pt")
-    for k in p0:
-        assert torch.equal(p0[k], p1[k]), k
-    # disjoint data: a pair seen by both hosts must be one that occurs more than once in the corpus
-    seen0, seen1 = set(res[0]["seen"]), set(res[1]["seen"])
-    assert len(seen0) > 20 and len(seen1) > 20
-    max_bytes = 40  # TINY's data.max_bytes
-    counts = Counter(h for ex in read_split(django_shards, "train") for h in batch_pair_hashes(collate([ex], max_bytes)))
-    assert seen0 | seen1 <= set(counts)  # the hashes really are pairs of the corpus
-    shared = seen0 & seen1
-    assert all(counts[h] > 1 for h in shared), [h for h in shared if counts[h] == 1]
+    ref = _reference(django_shards, tmp_path_factory.mktemp("reference_accelerate"), "--engine", "accelerate")
+    tmp_path = tmp_path_factory.mktemp("accelerate_hosts")
+    checkout = launch_checkout(tmp_path)
+    out = tmp_path / "run"
+    cmds = [["bash", "./launch.sh", "--engine", "accelerate", "--nproc", "1", "--no-eval", "--out", str(out),
+             "--num_nodes", "2", "--node_rank", str(k), "--master_addr", hosts[0].addr, "--master_port", "29517",
+             *_overrides(django_shards)] for k in (0, 1)]
+    t0 = time.monotonic()
+    outs = _run_on_hosts(list(hosts), cmds, checkout, _env(tmp_path))
+    print(f"2 hosts x 1 rank, accelerate launch: {time.monotonic() - t0:.1f}s")
+    assert f"trained {STEPS} steps" in outs[0] and "2 ranks on cpu" in outs[0], outs[0][-3000:]
+    _assert_same_weights(out, ref)
 
 
 def test_own_name_on_127_0_1_1_still_trains(netns_hosts, django_shards, tmp_path):
