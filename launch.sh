@@ -136,8 +136,9 @@ fi
 # and every rank (the deepspeed runner forwards signals only for multi-node launches). The ranks
 # checkpoint at the next step boundary and exit; we exit 75 and a re-run with the same --out resumes.
 rm -f "$out/preempted.json"
-# A lost peer or host (exit 76: retry): the ranks write their code here too, because torchrun and
-# `accelerate launch` exit 1 whatever code a rank ended with (DeepSpeed's launchers pass it on).
+# A rank that stops on an error writes its exit code here too (2: fix the input, 71: out of memory, 76: a
+# peer or host was lost, retry), because torchrun and `accelerate launch` exit 1 whatever code a rank ended
+# with (DeepSpeed's launchers pass it on).
 exit_file=$(mktemp "${TMPDIR:-/tmp}/scaletrain-exit.XXXXXX")
 export SCALETRAIN_EXIT_FILE="$exit_file"
 set -m  # the launcher and its ranks get a process group of their own
@@ -157,6 +158,9 @@ rank_code=$(cat "$exit_file" 2>/dev/null || true); rm -f "$exit_file"
 if [[ $rc -ne 0 && "$rank_code" == 76 ]]; then
   echo "== a peer or host was lost (exit 76: retry): re-run the same command (--out $out) to resume from the last checkpoint" >&2
   exit 76
+fi
+if [[ $rc -ne 0 && "$rank_code" =~ ^[0-9]+$ && "$rank_code" != 0 ]]; then
+  exit "$rank_code"  # the rank's own code (its line is above), not the launcher's 1
 fi
 [[ $rc -eq 0 ]] || exit "$rc"
 node_rank=${launcher_opt[node_rank]:-0}

@@ -103,10 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"scaletrain: error: {e}", file=sys.stderr)
         code = getattr(e, "exit_code", 2)  # 2: fix the input; OOM_EXIT: out of memory; 76: a peer was lost (retry)
-        if code == 76:
-            from scaletrain.engine.heartbeat import record_exit
+        from scaletrain.engine.heartbeat import record_exit
 
-            record_exit(code)  # for launch.sh under torchrun / accelerate launch, which exit 1
+        record_exit(code)  # for launch.sh under torchrun / accelerate launch, which exit 1 whatever the code
         return code
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)

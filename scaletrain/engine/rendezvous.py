@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Iterator
 
+from scaletrain.engine.heartbeat import record_exit
 from scaletrain.engine.netif import VARS, interface_of, route_source
 
 RENDEZVOUS_EXIT = 2  # the same as a configuration error: the setting must change, a retry does not help
@@ -102,6 +103,7 @@ def bounded_start(cfg) -> Iterator[None]:
             return
         print(f"scaletrain: error: {stuck_line(timeout_s)}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        record_exit(RENDEZVOUS_EXIT)
         os._exit(RENDEZVOUS_EXIT)  # the main thread is blocked in a connect nothing else interrupts
 
     if timeout_s > 0:
