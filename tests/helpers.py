@@ -69,9 +69,16 @@ def launcher_env(tmp_path: Path) -> dict:
     return env
 
 
-def deepspeed_cmd(nproc: int, script: str, *args: str, extra: tuple = ()) -> list[str]:
-    exe = Path(sys.executable).with_name("deepspeed")
-    return [str(exe), "--num_gpus", str(nproc), "--master_port", str(free_port()), *extra, "--no_local_rank", script, *args]
+def deepspeed_cmd(nproc: int, script: str, *args: str, runner: bool = False) -> list[str]:
+    """``nproc`` ranks of ``script`` on this host under DeepSpeed's per-node launcher (``launch.py``), started
+    as launch.sh starts a single-node job (``python -m scaletrain.engine.launch``: the launcher in one
+    process, DeepSpeed imported without MLflow). ``runner=True``: through the ``deepspeed`` command (its
+    runner, a second launcher process) instead, for tests of what the runner itself does."""
+    if runner:
+        exe = Path(sys.executable).with_name("deepspeed")
+        return [str(exe), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--no_local_rank", script, *args]
+    return [sys.executable, "-m", "scaletrain.engine.launch", "--nproc", str(nproc), "--master_port", str(free_port()),
+            "--", script, *args]
 
 
 # What a process must have finished before its interpreter exits: torch.distributed's C++ threads (gloo's

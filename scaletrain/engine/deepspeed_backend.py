@@ -63,6 +63,7 @@ class DeepSpeedBackend(Backend):
         if self.accelerate:
             check_accelerate_launch(cfg)
         configure_threads(cfg)
+        dsi.import_deepspeed()  # first, without MLflow (its autotuner's import; scaletrain's tracker imports its own)
         ensure_dist_env()
         world = int(os.environ["WORLD_SIZE"])
         self.ds_config = runtime_ds_config(preflight(cfg, world))  # bf16 at ZeRO-0 as torch autocast

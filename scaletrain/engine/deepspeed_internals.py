@@ -202,6 +202,24 @@ def loss_scale(ds_engine) -> float | None:
 UNUSED_DEEPSPEED_OPS = ("deepspeed_shm_comm",)  # ShareMemCommBuilder.NAME: inference_all_reduce only
 
 
+def import_deepspeed(module: str = "deepspeed"):
+    """``import deepspeed`` (or one of its modules) without MLflow: DeepSpeed's autotuner (``deepspeed.autotuning``,
+    imported by ``import deepspeed``) takes MLflow when it is installed, 1.4 of the 3.3 CPU-s that importing
+    DeepSpeed costs on a 2-core CPU, in every rank and launcher process, and nothing here runs the autotuner.
+    A later ``import mlflow`` (the tracker's) works as usual; where MLflow is already imported, nothing changes."""
+    import importlib
+    import sys
+
+    blocked = "mlflow" not in sys.modules
+    if blocked:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` raise ImportError
+    try:
+        return importlib.import_module(module)
+    finally:
+        if blocked and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+
+
 class _LazyCompatibleOps(dict):
     """``deepspeed.ops.__compatible_ops__``, probed one op at a time on first look-up (DeepSpeed probes
     every op, compiling test programs, on first access); the ops in ``skip`` are never probed or built."""
@@ -229,7 +247,7 @@ class _LazyCompatibleOps(dict):
 def skip_unused_deepspeed_ops(skip=UNUSED_DEEPSPEED_OPS) -> None:
     """Before DeepSpeed's communication backend starts: mark the ops we never use as incompatible, so it
     does not JIT-build them (gcc) at start-up. Safe to call more than once."""
-    import deepspeed.ops as ops
+    ops = import_deepspeed("deepspeed.ops")
 
     table = vars(ops).get("__compatible_ops__")  # DeepSpeed < 0.19 computes it at import
     if isinstance(table, _LazyCompatibleOps):
@@ -242,8 +260,9 @@ def init_distributed(backend: str, timeout=None) -> None:
     segments: with every rank on one host, its CPU backend maps one per rank and never unlinks it; every rank
     maps every peer's segment inside ``init_distributed``, so after a barrier the names can go (the mappings
     live on until exit)."""
-    import deepspeed
     import torch.distributed as dist
+
+    deepspeed = import_deepspeed()
 
     skip_unused_deepspeed_ops()
     kw = {"timeout": timeout} if timeout is not None else {}

@@ -1,6 +1,7 @@
 """Start the ranks of a single-node job with DeepSpeed's per-node launcher, in this process.
 
     python -m scaletrain.engine.launch --nproc 2 [--master_port P] [--log_level error] -- scaletrain train ...
+    python -m scaletrain.engine.launch --nproc 2 -- path/to/script.py ARGS...      # a script (the tests' drivers)
 
 ``launch.sh`` uses it for single-node DeepSpeed runs (a hostfile, several nodes or ``--no_ssh`` keep the
 ``deepspeed`` command). The ``deepspeed`` command is a dispatcher (``deepspeed.launcher.runner``): on one
@@ -46,23 +47,19 @@ def world_info(slots: list[int]) -> str:
 
 
 def launcher_argv(slots: list[int], port: int, log_level: str, command: list[str]) -> list[str]:
-    """``deepspeed.launcher.launch``'s arguments for ``command`` (a module and its arguments)."""
-    return [f"--world_info={world_info(slots)}", "--master_addr=127.0.0.1", f"--master_port={port}", "--module",
+    """``deepspeed.launcher.launch``'s arguments for ``command``: a module and its arguments, or a Python
+    script (a path ending in ``.py``) and its arguments."""
+    module = [] if command[0].endswith(".py") else ["--module"]
+    return [f"--world_info={world_info(slots)}", "--master_addr=127.0.0.1", f"--master_port={port}", *module,
             "--no_local_rank", f"--log_level={log_level}", *command]
 
 
 def _import_launcher():
     """``deepspeed.launcher.launch`` with MLflow kept out of DeepSpeed's import (its autotuner takes it
     when present); a later ``import mlflow`` in this process works as usual."""
-    blocked = "mlflow" not in sys.modules
-    if blocked:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` raise ImportError
-    try:
-        from deepspeed.launcher import launch
-    finally:
-        if blocked and sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
-    return launch
+    from scaletrain.engine.deepspeed_internals import import_deepspeed
+
+    return import_deepspeed("deepspeed.launcher.launch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, required=True, help="processes on this node")
     ap.add_argument("--master_port", type=int, default=0, help="rendezvous port (default: a free one)")
     ap.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error", "critical"))
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE [ARGS...] run by every rank")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE|SCRIPT.py [ARGS...] run by every rank")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.nproc < 1:
-        ap.error("give --nproc N >= 1 and -- MODULE [ARGS...]")
+        ap.error("give --nproc N >= 1 and -- MODULE|SCRIPT.py [ARGS...]")
     from scaletrain.errors import ScaletrainError
 
     try:

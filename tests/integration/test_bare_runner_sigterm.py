@@ -31,7 +31,7 @@ def test_sigterm_to_the_runner_alone_checkpoints_and_the_ranks_exit(django_shard
     log = tmp_path / "run.log"
     cmd = deepspeed_cmd(2, "tests/integration/slow_driver.py", str(out), "small", *TINY,
                         f"data.shards={django_shards}", f"train.out_dir={out}", "train.max_steps=100000",
-                        "train.save_every=0")
+                        "train.save_every=0", runner=True)
     p = start_slow_run(cmd, launcher_env(tmp_path), log, 0.2)
     try:
         wait_for_log(p, log, "step      3 |")

@@ -28,6 +28,8 @@ def test_world_info_is_what_deepspeeds_launcher_decodes():
     assert argv[:6] == [f"--world_info={enc}", "--master_addr=127.0.0.1", "--master_port=29999", "--module",
                         "--no_local_rank", "--log_level=error"]
     assert argv[6:] == ["scaletrain", "train", "--config", "small"]
+    argv = launcher_argv([0, 1], 29999, "info", ["tests/integration/dist_driver.py", "OUT"])
+    assert "--module" not in argv and argv[-2:] == ["tests/integration/dist_driver.py", "OUT"]
 
 
 def test_launcher_imported_without_mlflow_which_still_imports_later():
