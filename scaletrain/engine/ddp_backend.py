@@ -13,6 +13,7 @@ checkpoint holds (model, optimizer, the scaler) is handed to ``scaletrain.checkp
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 
@@ -56,6 +57,12 @@ class DDPBackend(Backend):
         with expert_setup(model, ep, ddp=True):
             optimizer = build_optimizer(model, cfg)
             self.model, self.wrapped_optimizer = self.acc.prepare(model, optimizer)
+        if importlib.util.find_spec("deepspeed") is not None:
+            # Accelerate's unwrap_model imports DeepSpeed where it is installed: import it first without the
+            # MLflow its autotuner takes (1.4 CPU-s per rank)
+            from scaletrain.engine.deepspeed_internals import import_deepspeed
+
+            import_deepspeed()
         self.module = self.acc.unwrap_model(self.model)
         self.loss_scaled = self.acc.scaler is not None
         return optimizer
