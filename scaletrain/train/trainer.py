@@ -36,7 +36,7 @@ from scaletrain.engine.shared_dir import check_shared_run_dir
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens
-from scaletrain.oom import as_oom, is_oom
+from scaletrain.oom import OomPolicy, as_oom, is_oom
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.nonfinite import NonfiniteGuard
@@ -44,7 +44,6 @@ from scaletrain.train.sync_count import step_range
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.recorder import RunRecorder
-from scaletrain.train.oom import OomPolicy
 from scaletrain.train.prefetch import Prefetcher
 from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
 

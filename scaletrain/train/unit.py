@@ -15,9 +15,8 @@ import torch
 from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
 from scaletrain.models.routing_stats import routing_metrics
-from scaletrain.oom import is_oom, memory_summary
+from scaletrain.oom import OomPolicy, is_oom, memory_summary
 from scaletrain.train.moe_usage import MoeLanguageUsage
-from scaletrain.train.oom import OomPolicy
 
 
 class TranslationUnit:
