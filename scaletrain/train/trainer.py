@@ -119,7 +119,7 @@ class Trainer:
         self.ckpt = CheckpointManager(cfg.out_dir, eng, tc.keep_last, save_every=tc.save_every,
                                       on_save_error=tc.on_save_error)
         self.recorder = RunRecorder(cfg, eng, self.out_dir)
-        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (ReplayFilter)
+        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (Tracker.replaying_until)
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger.for_run(cfg, eng, self.unit, st, self.clock, self.budget, self.tracker, self.vocab)
         self.evaluator = Evaluator.for_run(cfg, eng, self.unit, self.vocab, st, self.tracker,
