@@ -99,6 +99,9 @@ class Trainer:
             cfg.data, "train", parallel=eng.parallel, grad_accum=cfg.engine.grad_accum, vocab=self.vocab,
             num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
+        # what every checkpoint carries unchanged, made once (a resume may settle the config: _fit makes it again)
+        self.corpus = corpus_record(self.manifest.to_dict(), cfg.data.shards)
+        self.config_yaml = dump_yaml(cfg)
         self.state = TrainState(init_from=init_from)
         self.clock = TrainClock(self.state)
         self._components(cfg, eng)
@@ -183,6 +186,7 @@ class Trainer:
     def _fit(self) -> TrainResult:
         st, eng = self.state, self.engine
         self._resume()  # first: a checkpoint this run may not resume is refused before anything is changed
+        self.config_yaml = dump_yaml(self.cfg)  # the config as resumed, which every checkpoint of this job holds
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
             (Path(self.out_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
@@ -293,9 +297,9 @@ class Trainer:
     def _checkpoint_contents(self) -> CheckpointContents:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name,
-                         "corpus": corpus_record(self.manifest.to_dict(), self.cfg.data.shards)}
+                         "corpus": self.corpus}
         return CheckpointContents(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
-                                  config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+                                  config_yaml=self.config_yaml, langs=self.vocab.langs, vocab=self.vocab)
 
     def _stream_position(self):
         """Where a resume reads on: before the first batches no update has used (read-ahead ones included)."""
@@ -313,7 +317,7 @@ class Trainer:
         if tag is None:
             return
         fits = check_resume(self.ckpt.root / tag, self.cfg, self.vocab,  # a refusal comes before any load or write
-                            corpus_record(self.manifest.to_dict(), self.cfg.data.shards), is_main=self.engine.is_main)
+                            self.corpus, is_main=self.engine.is_main)
         loaded = self.ckpt.load(tag)
         self.state.load_state_dict(loaded.trainer_state)
         self.stopper.restore()
