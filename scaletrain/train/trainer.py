@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.checkpoint import CheckpointContents, CheckpointManager
+from scaletrain.checkpoint import CheckpointContents, CheckpointManager, latest_tag
 from scaletrain.checkpoint.compat import check_resume, corpus_record
 from scaletrain.checkpoint.warm_start import warm_start
 from scaletrain.config import Config, dump_yaml
@@ -35,7 +35,7 @@ from scaletrain.engine.heartbeat import start_heartbeat
 from scaletrain.engine.shared_dir import check_shared_run_dir
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
-from scaletrain.models.memory import apply_max_tokens
+from scaletrain.models.memory import apply_max_tokens, reuse_max_tokens
 from scaletrain.oom import OomPolicy, as_oom, is_oom
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
@@ -94,7 +94,7 @@ class Trainer:
         init_from = warm_start(cfg, model, self.vocab, is_main=eng.is_main)  # train.init_from: weights only
         self.param_counts = count_parameters(model, eng.parallel.ep_size)  # the whole model, every expert
         eng.setup(model)
-        apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
+        self._resolve_max_tokens()
         self.stream = stream if stream is not None else ShardLoader.for_run(
             cfg.data, "train", parallel=eng.parallel, grad_accum=cfg.engine.grad_accum, vocab=self.vocab,
             num_workers=self._num_workers())
@@ -131,6 +131,32 @@ class Trainer:
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.nonfinite = NonfiniteGuard(tc.nonfinite, tc.max_nonfinite, cfg.out_dir, eng, st, self.vocab)
         self.oom = OomPolicy(tc.on_oom, cfg.data.max_tokens, eng.world_size)  # the resolved max_tokens
+
+    def _resolve_max_tokens(self) -> None:
+        """``data.max_tokens: auto`` -> a number, recorded in the config: this device's estimate, or, on a resume,
+        the budget the checkpoint was written with (a resume on other GPUs keeps it: the data stream resumes
+        exactly only with it; one line where it exceeds this device's estimate)."""
+        cfg = self.cfg
+        auto = cfg.data.max_tokens == "auto"
+        apply_max_tokens(cfg, self.vocab.size, self.engine.device)
+        saved = self._saved_max_tokens() if auto and cfg.train.resume else None
+        said = reuse_max_tokens(cfg, saved) if saved is not None else None
+        if said is not None and self.engine.is_main:
+            line, fits = said
+            (log.info if fits else log.warning)("%s", line)
+
+    def _saved_max_tokens(self) -> int | None:
+        """The token budget of the checkpoint a resume will read (``latest``; None: none, or one from before
+        checkpoints recorded it)."""
+        root = Path(self.cfg.out_dir) / "checkpoints"
+        try:
+            tag = latest_tag(root)
+        except ScaletrainError:
+            return None  # the resume (resume_tag) says what is wrong, or falls back
+        if tag is None:
+            return None
+        state = json.loads((root / tag / "trainer_state.json").read_text())
+        return int(state["max_tokens"]) if state.get("max_tokens") else None
 
     def _num_workers(self) -> int:
         nw = self.cfg.data.num_workers
@@ -297,6 +323,7 @@ class Trainer:
     def _checkpoint_contents(self) -> CheckpointContents:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name,
+                         "max_tokens": int(self.cfg.data.max_tokens),  # what a resume of data.max_tokens: auto reuses
                          "corpus": self.corpus}
         return CheckpointContents(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
                                   config_yaml=self.config_yaml, langs=self.vocab.langs, vocab=self.vocab)
