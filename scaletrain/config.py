@@ -60,7 +60,9 @@ class DataConfig:
     max_tokens: int | str = 4096
     """Token budget per micro-batch per rank (padded source + target tokens). ``auto``: sized from the
     accelerator's memory and the model at start-up (scaletrain.models.memory), a fixed 4096 on a CPU; the
-    choice is recorded in ``max_tokens_auto``. At least ``2 * max_bytes + 3``."""
+    choice is recorded in ``max_tokens_auto``; a resume keeps the budget its checkpoint was written with (the
+    data stream resumes exactly only with it), with one warning where that exceeds this device's estimate.
+    At least ``2 * max_bytes + 3``."""
     max_tokens_auto: str = ""
     """Written when ``max_tokens: auto`` resolves: ``"<tokens>: <reason>"`` (informational, not read)."""
     pad_to_multiple: int = 1

@@ -66,7 +66,7 @@ FAULTS = (
           "        pass\n",
           ("tests/unit/test_parallel_grads.py",),
           "expert gradients are not reduced over their expert-data-parallel group"),
-    Fault("nonfinite-skip", "non-finite skip", "scaletrain/engine/device_skip.py",
+    Fault("nonfinite-skip", "non-finite skip", "scaletrain/engine/optim.py",
           "    optimizer.found_inf = flag.to(device)",
           "    optimizer.found_inf = torch.zeros_like(flag).to(device)",
           ("tests/unit/test_device_skip.py", "tests/integration/test_nonfinite.py"),

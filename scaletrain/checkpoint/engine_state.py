@@ -73,7 +73,8 @@ def save_engine_state(engine, ckpt: Path) -> None:
         torch.save(state.pop("optimizer"), ckpt / OPTIMIZER_FILE)
         if state.get("scaler") is not None:
             torch.save(state["scaler"], ckpt / SCALER_FILE)
-    save_expert_shard(ckpt, engine.module, engine.optimizer, engine.parallel)
+    if engine.parallel.ep_size > 1:
+        save_expert_shard(ckpt, engine.module, engine.optimizer, engine.parallel)
     if engine.is_main:
         record = {"format": 1, **engine.layout(), "schedule": engine.schedule.state_dict()}
         atomic_write_text(ckpt / ENGINE_FILE, json.dumps(record, indent=1))

@@ -10,7 +10,8 @@ Layout of a run directory::
                                        expert_shard_ep*.pt under expert parallelism
                      rank00000.pt      this rank's data-stream state and RNG states
                      trainer_state.json step, tokens/examples seen, world size, MLflow run id, the corpus
-                                       record (compat.py), a warm start's source (train.init_from)
+                                       record (compat.py), a warm start's source (train.init_from), the
+                                       token budget (data.max_tokens, which a resume of ``auto`` keeps)
                      config.yaml       the resolved config
                      langs.json        vocabulary languages (manifest order)
                      vocab.json, *.model  a SentencePiece vocabulary's record and model (subword runs only)

@@ -5,8 +5,8 @@
 library shares) and :class:`Backend` (what a library does: start, wrap, backward, optimizer step, its own
 state). ``deepspeed_backend.py`` (a DeepSpeed engine, from DeepSpeed's launcher or Accelerate's plugin) and
 ``ddp_backend.py`` (Accelerate's DDP); ``deepspeed_internals.py``: every use of DeepSpeed beyond its public
-API. ``experts.py``: expert parallelism around the wrapping; ``device_skip.py``: the non-finite check on the
-device; ``optim.py``: AdamW and the LR schedule keyed on applied updates.
+API. ``experts.py``: expert parallelism around the wrapping; ``optim.py``: AdamW, the LR schedule keyed on
+applied updates and the non-finite check on the device.
 
 Layer: the only package that imports DeepSpeed besides ``checkpoint/deepspeed_files.py``, which reads its
 files (tested); with ``parallel/`` the only one that makes process groups or reads ``moe.ep_size`` (tested).

@@ -65,7 +65,7 @@ import os
 
 import torch
 
-from scaletrain.engine.device_skip import can_skip_on_device, clip_, nonfinite_flag
+from scaletrain.engine.optim import can_skip_on_device, clip_, nonfinite_flag
 
 CHECKED_VERSION = "0.19.8"  # the DeepSpeed every internal below was read in and tested against
 

@@ -158,7 +158,7 @@ def runtime_ds_config(ds: dict) -> dict:
     tensor per step for its inf/nan check, a per-parameter weight norm, fp32 copies of every gradient and
     weight. With ``torch_autocast`` instead the weights stay fp32, the forward runs under
     ``torch.autocast(bfloat16)`` (matmuls in bf16, reductions in fp32), our fused AdamW updates the weights
-    and the non-finite check is on the device (``device_skip``). Measured in docs/gpu_step.md.
+    and the non-finite check is on the device (``optim.withheld_if``). Measured in docs/gpu_step.md.
 
     At ZeRO-0 without fp16 the engine measures and clips the reduced gradient itself (``Engine.step``: on the
     device, to ``optim.clip_norm``), so DeepSpeed is given ``gradient_clipping: 0`` there.

@@ -8,7 +8,7 @@ files where it has them, ``layout``; ``scaletrain.checkpoint.engine_state`` deci
 step logic every library shares is written here once:
 
 * the reduced gradient's norm, clipping and the non-finite check, on the device where the fused AdamW can
-  withhold the update itself (``device_skip.py``: no host read), else on the host;
+  withhold the update itself (``optim.py``: no host read), else on the host;
 * expert parallelism: expert gradients reduced over their group and the norm counting each expert once
   (``scaletrain.parallel.grads``; one ``ExpertParallelGrads``, built in :meth:`Engine.setup`);
 * the LR schedule, keyed on the updates applied (``optim.UpdateSchedule``): a withheld update is counted
@@ -30,9 +30,9 @@ from typing import Callable
 
 import torch
 
-from scaletrain.engine.device_skip import can_skip_on_device, clip_, grad_norm, nonfinite_flag, withheld_if
-from scaletrain.engine.model_prep import cudagraph_step_begin, prepare_model, uses_cudagraphs
-from scaletrain.engine.optim import UpdateSchedule, param_groups
+from scaletrain.engine.model_prep import prepare_model, uses_cudagraphs
+from scaletrain.engine.optim import (UpdateSchedule, can_skip_on_device, clip_, grad_norm, nonfinite_flag,
+                                     param_groups, withheld_if)
 from scaletrain.errors import ScaletrainError
 from scaletrain.parallel import ParallelContext, ParallelDims
 from scaletrain.parallel.grads import ExpertParallelGrads
@@ -310,6 +310,7 @@ class Engine:
         self.optimizer: torch.optim.Optimizer | None = None  # ours (AdamW), whoever wraps it
         self.schedule: UpdateSchedule | None = None
         self._device_skip = False
+        self._expert_parallel = False
         self._cudagraphs = False
         self._abandoned = False
 
@@ -358,7 +359,8 @@ class Engine:
         # the reduced gradient's norm, clipping and non-finite check on the device, the fused AdamW withholding
         # a non-finite update itself: wherever the norm is ours, no loss scaler decides and no expert reduction
         # (it reads the norm on the host) comes first
-        self._device_skip = (b.norm_is_ours and not b.loss_scaled and not self.ep.active
+        self._expert_parallel = self.ep.active  # fixed for the run: the step reads it without asking again
+        self._device_skip = (b.norm_is_ours and not b.loss_scaled and not self._expert_parallel
                              and can_skip_on_device(self.optimizer))
         o = self.cfg.optim
         self.schedule = UpdateSchedule(self.optimizer, o.lr, o.warmup_steps, o.warmup_init_lr)
@@ -375,7 +377,10 @@ class Engine:
         host-side count, ``Batch.src_padded``): the model then attends without a key-padding mask
         (``Transformer.encode``; FlashAttention on CUDA). Under ``engine.compile`` each value is a graph of
         its own (two at most)."""
-        cudagraph_step_begin(self._cudagraphs and self.module.training)
+        if self._cudagraphs and self.module.training and torch.is_grad_enabled():
+            # CUDA graphs: a new iteration starts, so the previous one's graph outputs (consumed by then: loss
+            # sums are copied, backward has run) may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         return self.backend.forward(src, tgt_in, src_padded)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -428,7 +433,7 @@ class Engine:
         """The norm of the whole (reduced) gradient, clipped to ``optim.clip_norm``: a device tensor, or a
         number under expert parallelism (the norm counting each expert once is a host value)."""
         self.backend.unscale()
-        if self.ep.active:
+        if self._expert_parallel:
             self.ep.reduce(dense=not self.backend.reduces_dense)
             return self.ep.clip(self.clip_norm)
         params = [p for p in self.module.parameters() if p.grad is not None]

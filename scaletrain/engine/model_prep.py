@@ -70,9 +70,3 @@ def uses_cudagraphs(cfg) -> bool:
     """``engine.compile_mode=reduce-overhead`` on CUDA: inductor replays CUDA graphs."""
     return compile_on(cfg) and cfg.engine.compile_mode == "reduce-overhead" and torch.cuda.is_available()
 
-
-def cudagraph_step_begin(enabled: bool) -> None:
-    """Before a training forward under CUDA graphs: tell inductor a new iteration starts, so the previous
-    one's graph outputs (consumed by then: loss sums are copied, backward has run) may be overwritten."""
-    if enabled and torch.is_grad_enabled():
-        torch.compiler.cudagraph_mark_step_begin()

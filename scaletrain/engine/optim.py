@@ -1,6 +1,24 @@
-"""Optimizer and LR schedule, built the same way for every backend (so checkpoints and runs agree)."""
+"""Optimizer and LR schedule, built the same way for every backend (so checkpoints and runs agree).
+
+Clipping and withholding an update on the device (:func:`grad_norm`, :func:`clip_`, :func:`nonfinite_flag`,
+:func:`withheld_if`): the non-finite check of a training step without a host read.
+
+A NaN/inf gradient gives a non-finite global norm. Reading the norm to decide on the host costs a
+blocking device-to-host copy every step (the GPU drains its queue and idles while the host catches up).
+Instead the norm's finiteness becomes a device flag that the fused AdamW kernel reads itself: torch's
+``found_inf`` argument, the mechanism ``torch.amp.GradScaler`` uses. Where the flag is 1 the kernel
+leaves parameters and moments as they are and the optimizer's step count is put back (torch subtracts
+the flag from it). Clipping multiplies the gradients by ``min(1, max_norm / (norm + 1e-6))`` on the
+device (torch's ``clip_grads_with_norm_``; no ``if`` on a device value). The LR schedule counts only the
+updates applied (:meth:`UpdateSchedule.advance` adds ``1 - flag`` on the device), so a withheld update
+never moves it and nothing has to be put back.
+
+Only the fused torch Adam/AdamW take the flag (``optim.fused``, the default on CPU and CUDA); with any other
+optimizer :func:`can_skip_on_device` is False and the engines read the norm on the host as before.
+"""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -29,7 +47,7 @@ class UpdateSchedule:
     parameter groups before the update that uses it; never rewound.
 
     An update can be withheld after the fact: fp16's loss scaler skips an overflow, and a non-finite gradient
-    is withheld by the fused AdamW on the device (``device_skip.py``), where the host learns of it only when
+    is withheld by the fused AdamW on the device (:func:`withheld_if` below), where the host learns of it only when
     the step's values are read, steps later. So the count of applied updates is kept where the decision is:
     :meth:`advance` adds ``1 - withheld`` to it after each update, ``withheld`` a host bool or the update's
     device flag. Where updates may be withheld on the device (:meth:`on_device`) the count, and the LR the
@@ -134,3 +152,42 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     if getattr(o, "fused", True) and fusable:
         return torch.optim.AdamW(groups, fused=True, **kw)
     return torch.optim.AdamW(groups, **kw)
+
+
+# ---- the non-finite check on the device ---------------------------------------------------------------------
+
+def can_skip_on_device(optimizer) -> bool:
+    """The optimizer applies ``found_inf`` itself (fused torch Adam/AdamW)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+
+
+def grad_norm(params) -> torch.Tensor:
+    """The global L2 norm of the gradients of ``params`` as a device tensor (0 when none)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, foreach=None)
+
+
+def nonfinite_flag(norm: torch.Tensor) -> torch.Tensor:
+    """A float32 scalar: 1.0 where ``norm`` is NaN/inf (the update must be withheld), else 0.0 (the shape of
+    the optimizer's step counters, from which torch subtracts it)."""
+    return (~torch.isfinite(norm.detach())).float().reshape(())
+
+
+def clip_(params, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients to at most ``max_norm`` given their global ``norm`` (on the device)."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
+
+
+@contextlib.contextmanager
+def withheld_if(optimizer, flag: torch.Tensor):
+    """Inside, ``optimizer.step()`` leaves everything unchanged where ``flag`` is 1 (``can_skip_on_device``)."""
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), flag.device)
+    optimizer.found_inf = flag.to(device)  # an offloaded optimizer (CPU parameters): one copy, blocking
+    try:
+        yield
+    finally:
+        del optimizer.found_inf
+

@@ -21,6 +21,11 @@ The estimate (``training_memory``), in bytes:
   (``ACTIVATION_MARGIN``): kernels differ in what they keep (measured 1.09-1.25x what autograd keeps on
   CPU, ``tests/unit/test_models_memory.py``).
 
+A resumed run keeps the budget its checkpoint was written with (``trainer_state.json``'s ``max_tokens``,
+:func:`reuse_max_tokens`): the data stream resumes exactly only with the batches it planned, so a resume
+on other GPUs (another memory size or precision) keeps the old number, with one line where this device's
+estimate is lower.
+
 The budget is (usable - fixed) / per token with usable = 75% of the device memory less 1 GiB (CUDA
 context, cuBLAS/cuDNN workspaces, allocator fragmentation), rounded down to a multiple of 256. On a
 CPU ``auto`` is a fixed 4096 tokens: host memory is not the limit there, step time is. It is an
@@ -119,6 +124,15 @@ def auto_max_tokens(cfg: ModelConfig, vocab_size: int, precision: str, total_mem
     return tokens, why
 
 
+def device_memory(device) -> int | None:
+    """The total memory of a CUDA ``device`` in bytes; None for a CPU (or no device)."""
+    if device is None or getattr(device, "type", str(device)) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory
+
+
 def apply_max_tokens(cfg, vocab_size: int, device=None, total_memory: int | None = None) -> int:
     """Resolve ``cfg.data.max_tokens: auto`` in place (once; an int is left as it is) and return the budget.
 
@@ -129,12 +143,30 @@ def apply_max_tokens(cfg, vocab_size: int, device=None, total_memory: int | None
 
     if cfg.data.max_tokens != "auto":
         return int(cfg.data.max_tokens)
-    if total_memory is None and device is not None and getattr(device, "type", str(device)) == "cuda":
-        import torch
-
-        total_memory = torch.cuda.get_device_properties(device).total_memory
+    if total_memory is None:
+        total_memory = device_memory(device)
     precision = cfg.engine.precision if cfg.engine.precision != "auto" else ("bf16" if total_memory else "fp32")
     need = max_example_tokens(cfg.data.max_bytes, cfg.data.pad_to_multiple)
     tokens, why = auto_max_tokens(cfg.model, vocab_size, precision, total_memory, cfg.moe, min_tokens=need)
     cfg.data.max_tokens, cfg.data.max_tokens_auto = tokens, f"{tokens}: {why}"
     return tokens
+
+
+def reuse_max_tokens(cfg, saved: int) -> tuple[str, bool] | None:
+    """A resume of a run whose checkpoint was written with ``saved`` tokens per micro-batch, after
+    :func:`apply_max_tokens` resolved ``data.max_tokens: auto`` for this device: the checkpoint's budget is put in
+    ``cfg`` (the data stream resumes exactly only with it) and recorded in ``data.max_tokens_auto``. Returns None
+    where the two agree, else (the line to log, whether ``saved`` fits this device's estimate)."""
+    estimate, saved = int(cfg.data.max_tokens), int(saved)
+    if saved == estimate:
+        return None
+    why = cfg.data.max_tokens_auto.split(": ", 1)[-1]
+    cfg.data.max_tokens = saved
+    cfg.data.max_tokens_auto = f"{saved}: the resumed checkpoint's budget (this device's estimate {estimate}: {why})"
+    if saved < estimate:
+        return (f"data.max_tokens=auto: resuming with the checkpoint's {saved} tokens per micro-batch (this device's "
+                f"estimate is {estimate}), so the data stream continues exactly", True)
+    return (f"data.max_tokens=auto: the checkpoint's {saved} tokens per micro-batch exceed this device's estimate of "
+            f"{estimate} ({why}); resuming with {saved}, the only budget the data stream resumes exactly with: if a "
+            "step runs out of memory, set engine.activation_checkpointing=true or shard the optimizer state "
+            "(engine.ds_config=zero1.json or zero2.json)", False)

@@ -9,6 +9,15 @@ from torch import nn
 Reduce = Callable[[list[float]], list[float]]
 
 
+def has_routing(model: nn.Module) -> bool:
+    """``model`` (or the module it wraps) has a part that keeps routing statistics (MoCE's routed attention, a
+    ``routing_stats`` of its own; MoE layers, ``moe_stats``). A dense model has none: :func:`routing_metrics`
+    would be ``{}``."""
+    inner = getattr(model, "module", model)
+    return any(m is not inner and (callable(getattr(m, "routing_stats", None)) or callable(getattr(m, "moe_stats", None)))
+               for m in inner.modules())
+
+
 def routing_metrics(model: nn.Module, langs: list[str] | None = None, reset: bool = True,
                     reduce: Optional[Reduce] = None) -> dict[str, float]:
     """Flat ``{name: value}`` metrics from ``model.routing_stats()`` (MoCE) and the MoE feed-forward

@@ -27,8 +27,7 @@ node's system-metrics sampler.
 
 Layer: imports :mod:`scaletrain.errors` and :mod:`scaletrain.fileio` only; never the training loop, engines, models or data. mlflow, matplotlib and
 torch (``broadcast_run_id``) are imported inside the functions that use them, so importing this package is
-cheap. The training loop reaches it through :mod:`scaletrain.train.recorder` (and
-:mod:`scaletrain.train.replay`, which reads the journal).
+cheap. The training loop reaches it through :mod:`scaletrain.train.recorder`.
 """
 from scaletrain.tracking.evaluations import EvaluationLogged, evaluation_runs, log_evaluation
 from scaletrain.tracking.journal import CHECKPOINTS_FILE, JOURNAL, RUN_FILE, Journal, last_logged_step, read_journal

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.tracking.checkpoint_models import CheckpointModels
-from scaletrain.tracking.journal import CHECKPOINTS_FILE, checkpoint_list, now_ms
+from scaletrain.tracking.journal import CHECKPOINTS_FILE, checkpoint_list, last_logged_step, now_ms
 from scaletrain.tracking.models import ModelIds
 from scaletrain.tracking.outbox import Outbox, execute_op
 from scaletrain.tracking.store import (DEFAULT_EXPERIMENT, MAX_PARAMS_PER_BATCH, MAX_TAG_VAL, RUN_ID_FIELD, create_run,
@@ -97,6 +97,7 @@ class Tracker:
         if not experiment or not isinstance(experiment, str):
             raise ScaletrainError(f"tracking: experiment name must be a non-empty string, got {experiment!r}")
         self.is_main = bool(is_main)
+        self.replay_until = -1  # metrics at steps up to this one were logged before a restart (replaying_until)
         self.project_dir = Path(project_dir)
         self.uri = resolve_tracking_uri(uri, project_dir)
         self.experiment = experiment
@@ -254,10 +255,22 @@ class Tracker:
         for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
             self.outbox.send("tags", (run_id, items[i : i + MAX_PARAMS_PER_BATCH]))
 
+    def replaying_until(self, journal: Path, resumed_step: int) -> None:
+        """The job resumed at ``resumed_step`` after a crash: the steps after it up to the last one ``journal``
+        recorded before this session are trained again, bit-identically, so their metrics are already in the run
+        and :meth:`log_metrics` drops them (every step's metrics are in the run exactly once)."""
+        last = last_logged_step(journal)
+        if last > resumed_step:
+            self.replay_until = last
+            if self.is_main:
+                log.info("steps %d-%d were logged before the restart: their metrics are not logged again",
+                         resumed_step + 1, last)
+
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record ``metrics`` (numbers, 0-d tensors/arrays) at ``step``: one journal line now, sent in
-        batches by the background thread."""
-        if not self.is_main:
+        batches by the background thread; nothing at a step already logged before a restart
+        (:meth:`replaying_until`)."""
+        if not self.is_main or step <= self.replay_until:
             return
         from mlflow.entities import Metric
 

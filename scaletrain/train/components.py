@@ -32,10 +32,10 @@ import torch
 
 from scaletrain.data.loader import ShardLoader
 from scaletrain.engine.model_prep import compile_on
+from scaletrain.oom import OomPolicy
 from scaletrain.train.compile_stats import compile_metrics
 from scaletrain.train.mfu import MfuEstimator
 from scaletrain.train.state import TimeBudget, TrainClock, TrainState
-from scaletrain.train.oom import OomPolicy
 from scaletrain.train.unit import StepOutput, TranslationUnit, validation
 
 log = logging.getLogger("scaletrain")

@@ -92,6 +92,10 @@ class MfuEstimator:
         log.info("MFU peak per device: %s", source if peak else f"none ({source})")
         return cls(cfg.model, vocab_size, engine.world_size, peak, source, cfg.moe)
 
+    def __post_init__(self):
+        if self.moe is not None and not self.moe.enabled():
+            self.moe = None  # a dense model: no MoE FLOPs to add at each log line
+
     def flops_per_token(self, src_len: float, tgt_len: float) -> float:
         base = estimate_flops_per_token(self.model_cfg, src_len, tgt_len, self.vocab_size)
         return base + moe_extra_flops_per_token(self.model_cfg, self.moe, src_len, tgt_len)

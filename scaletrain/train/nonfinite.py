@@ -3,7 +3,7 @@
 A non-finite update is never applied: a NaN/inf loss on any rank makes that rank's gradient, and so
 the all-reduced gradient every rank holds, non-finite; the engines check the reduced gradient's norm
 (identical on every rank, no extra collective) and skip the optimizer step and the LR schedule on every
-rank together (``StepInfo.nonfinite``). The check runs on the device (``scaletrain/engine/device_skip.py``:
+rank together (``StepInfo.nonfinite``). The check runs on the device (``scaletrain/engine/optim.py``:
 the fused AdamW withholds the update where the norm's flag is 1; ZeRO-3, fp32 ZeRO-1/2 and fp16 by
 DeepSpeed's own check); the flag is read with the step's other values on the next log, validation or save
 step, and a skipped update's LR step is undone then. fp16 keeps its loss scaler: an overflow there lowers

@@ -1,8 +1,7 @@
 """The MLflow record of a training job: everything the trainer records besides its per-step metrics.
 
-:class:`RunRecorder` owns the job's :class:`~scaletrain.tracking.Tracker`, wrapped in a
-:class:`~scaletrain.train.replay.ReplayFilter` so the steps a resumed job trains again after a crash are not
-logged twice. The step logger and the evaluator log their metrics through :attr:`RunRecorder.tracker`; the
+:class:`RunRecorder` owns the job's :class:`~scaletrain.tracking.Tracker`, which does not log twice the
+steps a resumed job trains again after a crash (``Tracker.replaying_until``). The step logger and the evaluator log their metrics through :attr:`RunRecorder.tracker`; the
 recorder does the rest:
 
 * the run (:meth:`~RunRecorder.start`, a collective): created on rank 0 with the flattened config, the world
@@ -31,7 +30,6 @@ from scaletrain.tracking import (JOURNAL, NodeSystemMetrics, Tracker, broadcast_
 from scaletrain.tracking.checkpoint_models import CheckpointModels
 from scaletrain.tracking.datasets import corpus_dataset
 from scaletrain.tracking.provenance import NOTE_TAG, git_info, source_tags
-from scaletrain.train.replay import ReplayFilter
 
 log = logging.getLogger("scaletrain")
 
@@ -47,10 +45,10 @@ class RunRecorder:
         self.out_dir = Path(out_dir)
         t = cfg.tracking
         self.enabled = bool(t.enabled)
-        self.tracker = ReplayFilter(Tracker(
+        self.tracker = Tracker(
             uri=t.uri or None, experiment=t.experiment, run_name=t.run_name or default_run_name(cfg.name, out_dir),
             is_main=engine.is_main and t.enabled, project_dir=Path.cwd(), local_dir=self.out_dir / "tracking",
-            end_timeout=t.end_timeout))
+            end_timeout=t.end_timeout)
         self.system_metrics: NodeSystemMetrics | None = None
 
     def resumed_at(self, step: int) -> None:

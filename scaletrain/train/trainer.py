@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.checkpoint import CheckpointContents, CheckpointManager
+from scaletrain.checkpoint import CheckpointContents, CheckpointManager, latest_tag
 from scaletrain.checkpoint.compat import check_resume, corpus_record
 from scaletrain.checkpoint.warm_start import warm_start
 from scaletrain.config import Config, dump_yaml
@@ -35,8 +35,8 @@ from scaletrain.engine.heartbeat import start_heartbeat
 from scaletrain.engine.shared_dir import check_shared_run_dir
 from scaletrain.errors import ScaletrainError
 from scaletrain.models import build_model, count_parameters
-from scaletrain.models.memory import apply_max_tokens
-from scaletrain.oom import as_oom, is_oom
+from scaletrain.models.memory import apply_max_tokens, reuse_max_tokens
+from scaletrain.oom import OomPolicy, as_oom, is_oom
 from scaletrain.train.baseline import unigram_nll
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.nonfinite import NonfiniteGuard
@@ -44,7 +44,6 @@ from scaletrain.train.sync_count import step_range
 from scaletrain.train.state import SaveTimer, TimeBudget, TrainClock, TrainState
 from scaletrain.train.preemption import PREEMPTED_FILE, Preemption
 from scaletrain.train.recorder import RunRecorder
-from scaletrain.train.oom import OomPolicy
 from scaletrain.train.prefetch import Prefetcher
 from scaletrain.train.unit import StopVote, TranslationUnit, resolve_outputs, train_step
 
@@ -95,11 +94,14 @@ class Trainer:
         init_from = warm_start(cfg, model, self.vocab, is_main=eng.is_main)  # train.init_from: weights only
         self.param_counts = count_parameters(model, eng.parallel.ep_size)  # the whole model, every expert
         eng.setup(model)
-        apply_max_tokens(cfg, self.vocab.size, eng.device)  # data.max_tokens: auto -> a number, recorded
+        self._resolve_max_tokens()
         self.stream = stream if stream is not None else ShardLoader.for_run(
             cfg.data, "train", parallel=eng.parallel, grad_accum=cfg.engine.grad_accum, vocab=self.vocab,
             num_workers=self._num_workers())
         self.out_dir = cfg.out_dir
+        # what every checkpoint carries unchanged, made once (a resume may settle the config: _fit makes it again)
+        self.corpus = corpus_record(self.manifest.to_dict(), cfg.data.shards)
+        self.config_yaml = dump_yaml(cfg)
         self.state = TrainState(init_from=init_from)
         self.clock = TrainClock(self.state)
         self._components(cfg, eng)
@@ -120,7 +122,7 @@ class Trainer:
         self.ckpt = CheckpointManager(cfg.out_dir, eng, tc.keep_last, save_every=tc.save_every,
                                       on_save_error=tc.on_save_error)
         self.recorder = RunRecorder(cfg, eng, self.out_dir)
-        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (ReplayFilter)
+        self.tracker = self.recorder.tracker  # re-done steps after a crash are not logged twice (Tracker.replaying_until)
         self.unit = TranslationUnit(eng, cfg.optim.label_smoothing, self.vocab.pad, self.vocab.langs)
         self.logger = StepLogger.for_run(cfg, eng, self.unit, st, self.clock, self.budget, self.tracker, self.vocab)
         self.evaluator = Evaluator.for_run(cfg, eng, self.unit, self.vocab, st, self.tracker,
@@ -129,6 +131,32 @@ class Trainer:
         self.preemption = Preemption(tc.preempt_grace_seconds)
         self.nonfinite = NonfiniteGuard(tc.nonfinite, tc.max_nonfinite, cfg.out_dir, eng, st, self.vocab)
         self.oom = OomPolicy(tc.on_oom, cfg.data.max_tokens, eng.world_size)  # the resolved max_tokens
+
+    def _resolve_max_tokens(self) -> None:
+        """``data.max_tokens: auto`` -> a number, recorded in the config: this device's estimate, or, on a resume,
+        the budget the checkpoint was written with (a resume on other GPUs keeps it: the data stream resumes
+        exactly only with it; one line where it exceeds this device's estimate)."""
+        cfg = self.cfg
+        auto = cfg.data.max_tokens == "auto"
+        apply_max_tokens(cfg, self.vocab.size, self.engine.device)
+        saved = self._saved_max_tokens() if auto and cfg.train.resume else None
+        said = reuse_max_tokens(cfg, saved) if saved is not None else None
+        if said is not None and self.engine.is_main:
+            line, fits = said
+            (log.info if fits else log.warning)("%s", line)
+
+    def _saved_max_tokens(self) -> int | None:
+        """The token budget of the checkpoint a resume will read (``latest``; None: none, or one from before
+        checkpoints recorded it)."""
+        root = Path(self.cfg.out_dir) / "checkpoints"
+        try:
+            tag = latest_tag(root)
+        except ScaletrainError:
+            return None  # the resume (resume_tag) says what is wrong, or falls back
+        if tag is None:
+            return None
+        state = json.loads((root / tag / "trainer_state.json").read_text())
+        return int(state["max_tokens"]) if state.get("max_tokens") else None
 
     def _num_workers(self) -> int:
         nw = self.cfg.data.num_workers
@@ -184,6 +212,7 @@ class Trainer:
     def _fit(self) -> TrainResult:
         st, eng = self.state, self.engine
         self._resume()  # first: a checkpoint this run may not resume is refused before anything is changed
+        self.config_yaml = dump_yaml(self.cfg)  # the config as resumed, which every checkpoint of this job holds
         if eng.is_main:
             self.ckpt.remove_stale_partials()  # left by a crash or a failed save
             (Path(self.out_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
@@ -294,9 +323,10 @@ class Trainer:
     def _checkpoint_contents(self) -> CheckpointContents:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name,
-                         "corpus": corpus_record(self.manifest.to_dict(), self.cfg.data.shards)}
+                         "max_tokens": int(self.cfg.data.max_tokens),  # what a resume of data.max_tokens: auto reuses
+                         "corpus": self.corpus}
         return CheckpointContents(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
-                                  config_yaml=dump_yaml(self.cfg), langs=self.vocab.langs, vocab=self.vocab)
+                                  config_yaml=self.config_yaml, langs=self.vocab.langs, vocab=self.vocab)
 
     def _stream_position(self):
         """Where a resume reads on: before the first batches no update has used (read-ahead ones included)."""
@@ -314,7 +344,7 @@ class Trainer:
         if tag is None:
             return
         fits = check_resume(self.ckpt.root / tag, self.cfg, self.vocab,  # a refusal comes before any load or write
-                            corpus_record(self.manifest.to_dict(), self.cfg.data.shards), is_main=self.engine.is_main)
+                            self.corpus, is_main=self.engine.is_main)
         loaded = self.ckpt.load(tag)
         self.state.load_state_dict(loaded.trainer_state)
         self.stopper.restore()

@@ -14,10 +14,9 @@ import torch
 
 from scaletrain.engine import Engine, StepInfo
 from scaletrain.models.loss import label_smoothed_ce
-from scaletrain.models.routing_stats import routing_metrics
-from scaletrain.oom import is_oom, memory_summary
+from scaletrain.models.routing_stats import has_routing, routing_metrics
+from scaletrain.oom import OomPolicy, is_oom, memory_summary
 from scaletrain.train.moe_usage import MoeLanguageUsage
-from scaletrain.train.oom import OomPolicy
 
 
 class TranslationUnit:
@@ -25,6 +24,7 @@ class TranslationUnit:
         self.engine, self.label_smoothing, self.pad, self.langs = engine, label_smoothing, pad, langs
         self._aux_sum, self._aux_n = None, 0  # MoE auxiliary loss of the training batches (on the device)
         self.moe_usage = MoeLanguageUsage.for_model(engine.module, len(langs)) if langs else None
+        self.routed = has_routing(engine.module)  # the same model on every rank: all skip the collective alike
 
     def loss(self, batch):
         """(label-smoothed loss sum, nll sum, target tokens) of one batch already on the device.
@@ -57,6 +57,8 @@ class TranslationUnit:
 
     def routing(self, reset: bool = False) -> dict[str, float]:
         """The model's routing statistics since the last reset (empty for models without routing)."""
+        if not self.routed:
+            return {}
         # MoE counts are summed over the ranks (collective: every rank calls this at the same points)
         out = routing_metrics(self.engine.module, self.langs, reset=reset, reduce=self.engine.parallel.all_reduce_sum)
         if self.moe_usage is not None:

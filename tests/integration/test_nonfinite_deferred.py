@@ -1,4 +1,4 @@
-"""The NaN/inf policy with the non-finite check on the device (``scaletrain/engine/device_skip.py``): between log
+"""The NaN/inf policy with the non-finite check on the device (``scaletrain/engine/optim.py``): between log
 steps nothing is read; the fused AdamW withholds a non-finite update itself (and the LR schedule does not count
 it, on the device), and the flag is read at the next log/save step, where the update is counted, its examples
 dumped and the policy applied.

@@ -13,7 +13,7 @@ import torch
 from scaletrain.checkpoint import load_model_weights
 from scaletrain.config import load_config
 from scaletrain.errors import ScaletrainError
-from scaletrain.train.oom import OomPolicy
+from scaletrain.oom import OomPolicy
 from test_nonfinite import TINY
 
 pytestmark = pytest.mark.usefixtures("in_process_training", "isolated_env", "fresh_accelerate")  # in this process

@@ -1,5 +1,5 @@
 """The step's values stay on the device until read (``StepInfo``), and a non-finite update is withheld by the
-fused AdamW itself (``scaletrain/engine/device_skip.py``): parameters, moments and the step count unchanged where
+fused AdamW itself (``scaletrain/engine/optim.py``): parameters, moments and the step count unchanged where
 the flag is 1, a normal update where it is 0; the LR schedule counts the applied updates from the flag on the
 device (``optim.UpdateSchedule``), so reading the flag later changes nothing."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scaletrain.engine import StepInfo
-from scaletrain.engine.device_skip import can_skip_on_device, clip_, grad_norm, nonfinite_flag, withheld_if
+from scaletrain.engine.optim import can_skip_on_device, clip_, grad_norm, nonfinite_flag, withheld_if
 from scaletrain.engine.optim import UpdateSchedule, inverse_sqrt_factor
 
 

@@ -7,7 +7,7 @@ import torch
 
 from scaletrain.models import ModelConfig, build_model
 from scaletrain.models.config import ConvConfig, MoCEConfig, MoEConfig
-from scaletrain.models.routing_stats import routing_metrics
+from scaletrain.models.routing_stats import has_routing, routing_metrics
 from scaletrain.vocab import PAD
 
 V = 270  # 10 language tags
@@ -66,3 +66,13 @@ def test_a_rank_with_nothing_routed_still_takes_part():
     out_busy = routing_metrics(busy, langs, reduce=lambda v: sizes.append(len(v)) or v)
     out_idle = routing_metrics(idle, langs, reduce=lambda v: sizes.append(len(v)) or v)
     assert sizes[0] == sizes[1] > 0 and out_busy and out_idle == {}
+
+
+def test_has_routing_tells_dense_models_from_routed_ones():
+    """A dense Transformer (whose ``routing_stats`` gathers nothing) has no routing, so the training unit skips
+    the statistics' collective on log steps; MoCE's routed attention and MoE feed-forward layers have it."""
+    base = dict(d_model=32, n_heads=4, encoder_layers=2, decoder_layers=1, ffn_dim=64, dropout=0.0, max_positions=64)
+    dense = build_model(ModelConfig(**base), V)
+    moe = build_model(ModelConfig(**base), V, moe=MoEConfig(num_experts=4, top_k=2, every=1))
+    assert not has_routing(dense) and routing_metrics(dense) == {}
+    assert has_routing(moe) and has_routing(_model())

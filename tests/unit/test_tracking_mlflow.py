@@ -224,3 +224,26 @@ def test_context_manager_marks_failed_and_flushes(tmp_path, template_db):
             raise RuntimeError("boom")
     run = MlflowClient(tracking_uri=db_uri(tmp_path)).get_run(rid)
     assert run.info.status == "FAILED" and run.data.metrics["loss"] == 1.5
+
+
+def test_steps_logged_before_a_restart_are_not_logged_again(tmp_path, template_db, caplog):
+    """A job resumed at step 2 after a crash that had logged steps 0-4 (the local journal says so) trains steps 3-4
+    again: their metrics are dropped, step 5 on is logged; every step's metric is in the run once."""
+    seed(template_db, tmp_path)
+    local = tmp_path / "out" / "tracking"
+    tr = T.Tracker(None, "exp", None, True, tmp_path, local_dir=local, flush_every=10_000, flush_secs=1e9)
+    rid = tr.start()
+    for s in range(5):
+        tr.log_metrics({"loss": float(s)}, step=s)
+    tr.flush(timeout=60)  # the crash: the journal holds steps 0-4
+    again = T.Tracker(None, "exp", None, True, tmp_path, local_dir=local, flush_every=10_000, flush_secs=1e9)
+    again.resume(rid)
+    with caplog.at_level("INFO", logger="scaletrain"):
+        again.replaying_until(local / T.JOURNAL, resumed_step=2)
+    assert again.replay_until == 4 and "steps 3-4 were logged before the restart" in caplog.text
+    for s in range(3, 7):
+        again.log_metrics({"loss": 10.0 + s}, step=s)
+    again.end()
+    tr.end()
+    got = [(m.step, m.value) for m in MlflowClient(tracking_uri=db_uri(tmp_path)).get_metric_history(rid, "loss")]
+    assert sorted(got) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 15.0), (6, 16.0)]
