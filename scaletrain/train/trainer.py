@@ -338,7 +338,7 @@ class Trainer:
             self.stream.load_state_dict(streams[dp.rank])
         if not loaded.same_world:
             seed_everything(rederived_seed(self.cfg.train.seed, self.state.step, eng.rank))
-        self.recorder.resumed_at(self.state.step)
+        self.recorder.resumed_at(self.state.step, old_world)
         if eng.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
             if not loaded.same_world:
