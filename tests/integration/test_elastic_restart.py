@@ -1,8 +1,8 @@
 """An elastic restart under torchrun keeps the run the user configured.
 
-Two namespace hosts (tests/netns_hosts.py), one torchrun agent each, ``--nnodes=1:2 --max-restarts=3
---rdzv-backend=c10d`` with short rendezvous timeouts, the same ``-m scaletrain train`` command on both
-(DeepSpeed ZeRO-2, fp32, tiny model). All of host 1 (its agent and its rank) is SIGKILLed after a
+Two namespace hosts (tests/netns_hosts.py), ``./launch.sh --elastic 1:2 --rdzv_conf ...`` on each: one
+torchrun agent per host, ``--nnodes=1:2 --max-restarts=3 --rdzv-backend=c10d`` with short rendezvous
+timeouts, the same ``-m scaletrain train`` command on both (DeepSpeed ZeRO-2, fp32, tiny model). All of host 1 (its agent and its rank) is SIGKILLed after a
 checkpoint; nobody acts: host 0's rank stops (exit 76), its agent restarts it at world size 1, the run
 resumes from the last checkpoint with grad_accum re-derived (2 batch slots per update before and after)
 and finishes, exit 0. Its losses after the restart equal, update for update, those of the same checkpoint
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, launcher_env, tiny_model
+from helpers import ROOT, launch_checkout, launcher_env, tiny_model
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY, PEER_TIMEOUT = 60, 4, 3
@@ -82,14 +82,18 @@ def test_a_lost_host_restarts_on_the_survivor_with_the_same_global_batch(netns_h
     hosts = netns_hosts(2)
     out = tmp_path / "run"
     env = {**launcher_env(tmp_path), "LOGLEVEL": "INFO"}  # the agent's own lines: its restart and rendezvous
-    torchrun = str(ROOT / ".venv" / "bin" / "torchrun")
-    cmd = [torchrun, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint={hosts[0].addr}:29541", "--rdzv-id=elastic1", f"--rdzv-conf={RDZV_CONF}",
-           "-m", "scaletrain", "train", "--config", "small", *_overrides(django_shards, out)]
+    # the README's short form on each host; it runs the torchrun command below (asserted)
+    cmd = ["bash", "./launch.sh", "--elastic", "1:2", "--nproc", "1", "--no-eval", "--out", str(out),
+           "--master_addr", hosts[0].addr, "--master_port", "29541", "--rdzv_conf", RDZV_CONF,
+           *_overrides(django_shards, out)]
+    torchrun = (f"torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d "
+                f"--rdzv-endpoint={hosts[0].addr}:29541 --rdzv-id=run --rdzv-conf={RDZV_CONF} -m scaletrain train "
+                "--config small data.shards=")
+    checkout = launch_checkout(tmp_path)
     t_start = time.monotonic()
     procs, logs = [], []
     for h in (hosts[1], hosts[0]):  # host 1 first: it waits for host 0's store, both join the first round
-        procs.insert(0, h.popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        procs.insert(0, h.popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True))
         logs.insert(0, _Log(procs[0]))
     try:
@@ -110,6 +114,7 @@ def test_a_lost_host_restarts_on_the_survivor_with_the_same_global_batch(netns_h
             (tmp_path / f"host{k}.log").write_text(lg.text())
     text = logs[0].text()
     assert rc0 == 0, text[-5000:]
+    assert f"== elastic (1:2 nodes): {torchrun}" in text, text[:3000]
     before = text[:text.index("scaletrain: error:")] if "scaletrain: error:" in text else text
     assert "training small: 2 ranks" in before, before[-3000:]
     step_killed = max(int(m) for m in re.findall(r"step +(\d+) \| loss", before))
