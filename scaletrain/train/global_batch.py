@@ -23,7 +23,8 @@ asked is one log line on rank 0):
 
 Checkpoints written before these fields existed record the count as their world size x their config's
 ``engine.grad_accum``. Read from the checkpoint that ``latest`` names (the one a resume loads unless it is
-corrupt: an earlier intact one was written by the same job, with the same count).
+corrupt: an earlier intact one was written by the same job, with the same count); a record that does not
+read is passed over for the newest earlier one that does.
 """
 from __future__ import annotations
 
@@ -121,14 +122,19 @@ def plan_global_batch(world: int, grad_accum: int, configured: int = 0, recorded
 def plan_for_run(cfg, world: int, is_main: bool) -> BatchPlan:
     """Plan the global batch of ``cfg``'s run on ``world`` ranks (the checkpoint a resume would load read
     from ``train.out_dir``), set ``cfg.engine.grad_accum`` to it, log the notes on rank 0."""
-    from scaletrain.checkpoint.manager import latest_tag
+    from scaletrain.checkpoint.manager import TAG_RE, latest_tag
 
     recorded = None
-    if cfg.train.resume:
-        root = cfg.out_dir / "checkpoints"
-        tag = latest_tag(root)
-        if tag is not None:
-            recorded = recorded_batch(root / tag)
+    root = cfg.out_dir / "checkpoints"
+    tag = latest_tag(root) if cfg.train.resume else None
+    if tag is not None:  # a damaged record: the newest earlier one that reads (as the resume falls back)
+        for t in sorted((p.name for p in root.iterdir() if TAG_RE.match(p.name) and p.name <= tag), reverse=True):
+            try:
+                recorded = recorded_batch(root / t)
+            except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+                continue
+            if recorded is not None:
+                break
     plan = plan_global_batch(world, int(cfg.engine.grad_accum), int(cfg.engine.global_batch_slots), recorded)
     cfg.engine.grad_accum = plan.grad_accum
     if is_main:

@@ -115,3 +115,13 @@ def test_plan_for_run_sets_the_engine_grad_accum(tmp_path):
     assert cfg.engine.grad_accum == 2 and plan.slots == 2
     cfg = load_config("small", [f"train.out_dir={tmp_path}", "train.resume=false"])
     assert plan_for_run(cfg, world=1, is_main=True).grad_accum == 1  # no resume: a first launch
+
+
+def test_a_damaged_record_falls_back_to_an_earlier_checkpoint(tmp_path):
+    _ckpt(tmp_path, world=2, ga=2)  # step-0000004: 4 slots
+    bad = tmp_path / "checkpoints" / "step-0000008"
+    bad.mkdir()
+    (bad / "trainer_state.json").write_text('{"step": 8, "world_si')  # torn
+    (tmp_path / "checkpoints" / "latest").write_text("step-0000008")
+    cfg = load_config("small", [f"train.out_dir={tmp_path}", "engine.grad_accum=2"])  # the launch's command
+    assert plan_for_run(cfg, world=1, is_main=True).slots == 4 and cfg.engine.grad_accum == 4
