@@ -6,10 +6,11 @@
 #   ./launch.sh --recipe base optim.lr=7e-4       # a recipe and dotted overrides
 #   ./launch.sh --nproc 4 --hostfile hosts --num_nodes 2 --master_addr 10.0.0.1
 #   ./launch.sh --engine accelerate               # accelerate launch with our YAML
+#   ./launch.sh --elastic 1:4 --nproc 8 --master_addr node0   # on each node: torchrun's elastic agent
 set -euo pipefail
 cd "$(dirname "$0")"
 usage() {
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
   cat <<'USAGE'
 options:
   --recipe NAME|PATH     packaged recipe or YAML file (default: small; catalogs_gpu where nvidia-smi lists a GPU)
@@ -21,6 +22,13 @@ options:
   --master_port P        rendezvous port
   --no_ssh               launch only this node (one launcher per node)
   --engine E             deepspeed (default) or accelerate
+  --elastic MIN:MAX      torchrun's elastic agent, the same command on each node (MIN to MAX nodes, --nproc
+                         each; --master_addr: the node holding the rendezvous, port --master_port or 29500):
+                         a lost node makes the others restart from the last checkpoint with the same global
+                         batch, up to 3 times (SCALETRAIN_ELASTIC_RESTARTS); a configuration error is not
+                         retried. Rendezvous: join_timeout=600 (s a node waits for MIN nodes),
+                         last_call_timeout=30 (s it then waits for more, up to MAX), close_timeout=30
+  --rdzv_conf K=V,...    with --elastic: replaces those rendezvous settings (torchrun's --rdzv-conf)
   --out DIR              run directory (default: runs/RECIPE-TIMESTAMP)
   --no-eval              skip evaluation
   --verbose              every library's log lines too (DeepSpeed's launcher, MLflow, ...)
@@ -38,7 +46,8 @@ SIGTERM/SIGINT/SIGUSR1 to this script or the job's process group: every rank che
 boundary, the MLflow run ends KILLED, exit code 75; re-run with the same --out to resume.
 USAGE
 }
-recipe=""; nproc=""; engine=deepspeed; out=""; do_eval=1; verbose=0; dry_run=0
+recipe=""; nproc=""; engine=deepspeed; out=""; do_eval=1; verbose=0; dry_run=0; elastic=""
+rdzv_conf="join_timeout=600,last_call_timeout=30,close_timeout=30"
 ds_args=(); overrides=()
 declare -A launcher_opt=()
 while [[ $# -gt 0 ]]; do
@@ -50,6 +59,8 @@ while [[ $# -gt 0 ]]; do
       ds_args+=("$1" "$2"); launcher_opt["${1#--}"]="$2"; shift 2 ;;
     --no_ssh) ds_args+=("$1"); shift ;;
     --engine) engine="$2"; shift 2 ;;
+    --elastic) elastic="$2"; shift 2 ;;
+    --rdzv_conf) rdzv_conf="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --no-eval) do_eval=0; shift ;;
     --verbose) verbose=1; shift ;;
@@ -67,11 +78,22 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && gpus=$
 # The default job: the small model on the bundled corpus on CPU; on a GPU the papers' base model on the
 # catalogs corpus, sized for one GPU (scaletrain/recipes/catalogs_gpu.yaml), in the same 9 minutes.
 [[ -n "$recipe" ]] || { if [[ $gpus -gt 0 ]]; then recipe=catalogs_gpu; else recipe=small; fi; }
+[[ -n "$out" || -z "$elastic" ]] || { echo "launch.sh: --elastic needs --out DIR, the same on every node (a directory every node sees: the run resumes from it after a restart)" >&2; exit 2; }
 [[ -n "$out" ]] || out="runs/$(basename "${recipe%.yaml}")-$(date +%Y%m%d-%H%M%S)"
 overrides+=("train.out_dir=$out")
 [[ "$engine" == deepspeed || "$engine" == accelerate ]] || { echo "launch.sh: --engine must be deepspeed or accelerate" >&2; exit 2; }
 [[ "$engine" == accelerate ]] && overrides=("engine.backend=accelerate" "${overrides[@]}")
 num_nodes=${launcher_opt[num_nodes]:-1}
+if [[ -n "$elastic" ]]; then  # torchrun's elastic agent: it, not these options, places the nodes and ranks
+  [[ "$elastic" =~ ^([0-9]+):([0-9]+)$ && ${BASH_REMATCH[1]} -ge 1 && ${BASH_REMATCH[2]} -ge ${BASH_REMATCH[1]} ]] \
+    || { echo "launch.sh: --elastic must be MIN:MAX node counts with 1 <= MIN <= MAX (e.g. 1:4), got '$elastic'" >&2; exit 2; }
+  [[ -n "${launcher_opt[master_addr]:-}" ]] || { echo "launch.sh: --elastic needs --master_addr (the node that holds the rendezvous; the same on every node)" >&2; exit 2; }
+  for o in hostfile num_nodes node_rank; do
+    [[ -z "${launcher_opt[$o]:-}" ]] || { echo "launch.sh: --$o does not go with --elastic (torchrun's rendezvous places the nodes); give --elastic MIN:MAX and --master_addr only" >&2; exit 2; }
+  done
+  [[ " ${ds_args[*]} " != *" --no_ssh "* && "$engine" == deepspeed ]] || { echo "launch.sh: --elastic runs the deepspeed engine under torchrun on every node: drop --no_ssh and --engine accelerate" >&2; exit 2; }
+  num_nodes=${BASH_REMATCH[2]}  # the checks below are for the largest world
+fi
 [[ $verbose == 1 ]] && export SCALETRAIN_VERBOSE=1
 # One check before any process starts: the config (unknown keys, ZeRO stage, ds_config file, fp16 without
 # a GPU...), the shards (only the bundled corpus may be missing: it is built below) and the output
@@ -81,7 +103,13 @@ declare -A plan=()
 plan_out=$(python -m scaletrain.engine.preflight --launch-plan --config "$recipe" --world-size $((nproc * num_nodes)) --local-ranks "$nproc" "${overrides[@]}")
 while IFS='=' read -r key value; do plan["$key"]="$value"; done <<<"$plan_out"
 export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]}}"
+if [[ -n "$elastic" ]]; then
+  launch_cmd=(torchrun "--nnodes=$elastic" "--nproc-per-node=$nproc" "--max-restarts=${SCALETRAIN_ELASTIC_RESTARTS:-3}"
+              --rdzv-backend=c10d "--rdzv-endpoint=${launcher_opt[master_addr]}:${launcher_opt[master_port]:-29500}"
+              "--rdzv-id=$(basename "$out")" "--rdzv-conf=$rdzv_conf" -m scaletrain train --config "$recipe" "${overrides[@]}")
+fi
 if [[ $dry_run == 1 ]]; then
+  [[ -n "$elastic" ]] && echo "== dry run: would run on each node: ${launch_cmd[*]}"
   echo "== dry run: recipe $recipe, $nproc process(es) per node x $num_nodes node(s) with $engine, GPUs seen $gpus,"
   echo "   precision $SCALETRAIN_AUTO_PRECISION, shards ${plan[shards]}$([[ "${plan[prepare]}" == 1 ]] && echo " (to build: scaletrain prepare --out ${plan[shards]}${plan[prepare_args]:+ ${plan[prepare_args]}})"), out $out"
   exit 0
@@ -102,7 +130,9 @@ if [[ "${plan[prepare]}" == 1 ]]; then
 fi
 echo "== training $recipe on $nproc process(es) per node with $engine -> $out"
 t0=$(date +%s)
-if [[ "$engine" == accelerate ]]; then
+if [[ -n "$elastic" ]]; then
+  echo "== elastic ($elastic nodes): ${launch_cmd[*]}"
+elif [[ "$engine" == accelerate ]]; then
   # Accelerate: our YAML (DDP or the DeepSpeed plugin, from engine.accelerate); launcher flags mapped.
   acc_args=(--num_processes $((nproc * num_nodes)))
   # its launcher (torch.distributed.run under the DeepSpeed plugin) warns when OMP_NUM_THREADS is unset; the
@@ -164,6 +194,10 @@ if [[ $rc -ne 0 && "$rank_code" =~ ^[0-9]+$ && "$rank_code" != 0 ]]; then
 fi
 [[ $rc -eq 0 ]] || exit "$rc"
 node_rank=${launcher_opt[node_rank]:-0}
+if [[ -n "$elastic" ]]; then  # the node holding the rendezvous speaks for the job (any node could: one run dir)
+  node_rank=1
+  for a in $(hostname) $(hostname -I 2>/dev/null); do [[ "$a" == "${launcher_opt[master_addr]}" ]] && node_rank=0; done
+fi
 if [[ "$node_rank" != 0 ]]; then  # one voice per job: the summary and next commands are node 0's
   wait "$store_pid" 2>/dev/null || true
   echo "== $(hostname) (node $node_rank): training done; the summary and the commands to try next are on node 0"

@@ -204,7 +204,15 @@ class EngineConfig:
     """Written by the engine when ``precision: auto`` resolves: ``"<choice>: <reason>"`` (informational)."""
     grad_accum: int = 1
     """Micro-batches per update (>= 1). The global batch is data-parallel size x grad_accum batch slots, planned
-    alike however they are spread over ranks (docs/DATA.md)."""
+    alike however they are spread over ranks (docs/DATA.md). A resume at another world size re-derives it to
+    keep the run's global batch (``global_batch_slots``); a value other than the one the run was launched
+    with changes the global batch, in one log line (scaletrain.train.global_batch)."""
+    global_batch_slots: int = 0
+    """The global batch in batch slots per update (>= 0), kept at any world size: grad_accum = this / world
+    size (the nearest whole number, in one log line, where the world size does not divide it). 0 = the slot
+    count of the job's first launch (world size x grad_accum), recorded in every checkpoint, so an elastic
+    restart or a re-run on fewer ranks resumes with the same global batch. Set with a contradicting
+    grad_accum: this key wins, in one log line."""
     threads: int = 0
     """CPU threads per rank (>= 0); 0 = usable cores / local ranks."""
     accelerate: str = "ddp"
@@ -241,6 +249,7 @@ class EngineConfig:
         _check_choice("engine.backend", self.backend, ("deepspeed", "accelerate"))
         _check_choice("engine.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _check_min("engine", self, ("grad_accum",), 1)
+        _check_min("engine", self, ("global_batch_slots",), 0, " (0 = the first launch's world size x grad_accum)")
         _check_choice("engine.accelerate", self.accelerate, ("ddp", "deepspeed"))
         _check_min("engine", self, ("threads",), 0, " (0 = cores / local ranks)")
         _check_choice("engine.compile", self.compile, (True, False, "auto"))

@@ -23,7 +23,10 @@ def register(subparsers) -> None:
         "train", help="train a model (run under `deepspeed` or `accelerate launch` for >1 rank)",
         epilog="SIGTERM/SIGUSR1/SIGINT: checkpoint at the next step boundary, MLflow run KILLED, exit 75 "
                "(train.preempt_grace_seconds); re-run the same command to resume. Out of memory: one line naming the "
-               "stage, the batch and the setting to lower (train.on_oom), MLflow run FAILED, exit 71.")
+               "stage, the batch and the setting to lower (train.on_oom), MLflow run FAILED, exit 71. A resume at "
+               "another world size (an elastic restart, a re-run on fewer ranks) keeps the run's global batch: "
+               "engine.grad_accum is re-derived from the batch slots recorded in the checkpoint "
+               "(engine.global_batch_slots), in one log line.")
     tr.add_argument("--config", default="small", help="recipe name (packaged) or path to a YAML file")
     tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-3")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

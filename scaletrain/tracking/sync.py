@@ -90,15 +90,15 @@ def sync_run(run_dir: str | os.PathLike, uri: str | None = None) -> list[SyncRep
     return reports
 
 
-def _sync_one(client, run_id: str, r: dict) -> SyncReport:
-    from mlflow.entities import Metric, Param, RunTag
+def send_missing_metrics(client, run_id: str, metrics: list[tuple]) -> tuple[int, int]:
+    """Send the ``(key, value, timestamp, step)`` points the run does not have on the server (matched by key,
+    step and timestamp: nothing twice); returns (sent, already there)."""
+    from mlflow.entities import Metric
 
-    run = client.get_run(run_id)
     missing, present = [], 0
-    keys = sorted({m[0] for m in r["m"]})
-    for key in keys:
+    for key in sorted({m[0] for m in metrics}):
         have = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}
-        for k, v, ts, s in (m for m in r["m"] if m[0] == key):
+        for k, v, ts, s in (m for m in metrics if m[0] == key):
             if (s, ts) in have:
                 present += 1
             else:
@@ -106,6 +106,23 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
                 missing.append(Metric(k, v, ts, s))
     for i in range(0, len(missing), MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=missing[i : i + MAX_METRICS_PER_BATCH])
+    return len(missing), present
+
+
+def send_journaled_steps(client, run_id: str, journal: str | os.PathLike, after: int, until: int) -> int:
+    """A resumed job's re-done steps ``after+1 .. until`` are not logged again (``Tracker.replaying_until``): send what
+    the journal has of them and the server lacks (a session killed before its sender delivered them).
+    Returns the points sent."""
+    points = [(k, v, rec["ts"], rec["s"]) for rec in read_journal(journal)
+              if rec.get("t") == "m" and after < int(rec.get("s", -1)) <= until for k, v in rec["v"].items()]
+    return send_missing_metrics(client, run_id, points)[0] if points else 0
+
+
+def _sync_one(client, run_id: str, r: dict) -> SyncReport:
+    from mlflow.entities import Param, RunTag
+
+    run = client.get_run(run_id)
+    n_missing, present = send_missing_metrics(client, run_id, r["m"])
     params = [Param(k, v) for k, v in r["params"].items() if k not in run.data.params]
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
@@ -126,7 +143,7 @@ def _sync_one(client, run_id: str, r: dict) -> SyncReport:
     if last is not None and last["t"] == "end" and run.info.status != last["status"]:
         client.set_terminated(run_id, status=last["status"], end_time=last["ts"])
         applied = last["status"]
-    return SyncReport(run_id, len(missing), present, n_art, applied, datasets=counts["inputs"], models=counts["model"],
+    return SyncReport(run_id, n_missing, present, n_art, applied, datasets=counts["inputs"], models=counts["model"],
                       model_updates=counts["model_tags"] + counts["model_metrics"])
 
 

@@ -6,7 +6,8 @@ recorder does the rest:
 
 * the run (:meth:`~RunRecorder.start`, a collective): created on rank 0 with the flattened config, the world
   and vocabulary sizes and the parameter counts as params and :func:`run_tags` as tags, or resumed from the
-  checkpoint's run id; every rank learns the id;
+  checkpoint's run id (an elastic restart or a re-run: the same run goes on, the restart recorded as tags
+  ``restarts`` and ``restart.N``, old and new world size, step, updates redone); every rank learns the id;
 * the set-up artifacts of a new run: ``config.yaml``, the engine's resolved settings (the DeepSpeed JSON
   with its batch sizes filled, or the accelerate settings) and the shard manifest;
 * one system-metrics sampler per node (its local rank 0), in rank 0's store;
@@ -20,7 +21,9 @@ trainer reaches MLflow only through this module.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -30,8 +33,10 @@ from scaletrain.tracking import (JOURNAL, NodeSystemMetrics, Tracker, broadcast_
 from scaletrain.tracking.checkpoint_models import CheckpointModels
 from scaletrain.tracking.datasets import corpus_dataset
 from scaletrain.tracking.provenance import NOTE_TAG, git_info, source_tags
+from scaletrain.tracking.sync import send_journaled_steps
 
 log = logging.getLogger("scaletrain")
+RESTARTS = "restarts.jsonl"  # OUT/tracking/: one line per resume of the job (RunRecorder._record_restart)
 
 __all__ = ["RunRecorder", "run_tags"]
 
@@ -51,10 +56,45 @@ class RunRecorder:
             end_timeout=t.end_timeout)
         self.system_metrics: NodeSystemMetrics | None = None
 
-    def resumed_at(self, step: int) -> None:
-        """The job resumed from a checkpoint of ``step``: the steps after it that the journal already has are
-        trained again, not logged again."""
+    def resumed_at(self, step: int, old_world: int | None = None) -> None:
+        """The job resumed from a checkpoint of ``step`` written by ``old_world`` ranks: the steps after it that
+        the journal already has are trained again, not logged again; :meth:`start` records the restart."""
         self.tracker.replaying_until(self.out_dir / "tracking" / JOURNAL, step)
+        self._restart = {"step": step, "world_size_old": old_world or self.engine.world_size,
+                         "world_size_new": self.engine.world_size,
+                         "updates_redone": max(0, self.tracker.replay_until - step),
+                         "elastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)}
+
+    def _record_restart(self, run_id: str | None) -> None:
+        """Rank 0, a resumed job: one console line, one line in ``OUT/tracking/restarts.jsonl`` and the run's
+        tags ``restarts`` (how many) and ``restart.N`` (old -> new world size, the step resumed at, the updates
+        redone); the run's metrics go on where they stopped (``Tracker.replaying_until``)."""
+        r = getattr(self, "_restart", None)
+        if r is None or not self.engine.is_main:
+            return
+        path = self.out_dir / "tracking" / RESTARTS
+        n = 1 + (len(path.read_text().splitlines()) if path.is_file() else 0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"restart": n, "run_id": run_id, **r}) + "\n")
+        how = f"elastic restart {r['elastic_restart']}" if r["elastic_restart"] else "a re-run"
+        text = (f"world size {r['world_size_old']} -> {r['world_size_new']}, resumed at step {r['step']}, "
+                f"{r['updates_redone']} update(s) redone ({how})")
+        log.info("restart %d of %s: %s", n, f"MLflow run {run_id}" if run_id else "the job", text)
+        if run_id:
+            self.tracker.set_tags({"restarts": n, f"restart.{n}": text})
+        if run_id and self.enabled and r["updates_redone"]:
+            try:  # what the lost session journaled but had not sent: the server gets each step once
+                sent = send_journaled_steps(self.tracker.client, run_id, self.out_dir / "tracking" / JOURNAL,
+                                            r["step"], self.tracker.replay_until)
+            except Exception as e:  # noqa: BLE001 - the server is away: the journal keeps them for `tracking sync`
+                log.warning("the re-done steps' metrics the lost session had not sent could not be sent now (%s); "
+                            "`scaletrain tracking sync %s` sends them later", str(e).splitlines()[0] if str(e) else
+                            type(e).__name__, self.out_dir)
+            else:
+                if sent:
+                    log.info("%d metric value(s) of steps %d-%d that the lost session journaled but had not sent: "
+                             "sent now", sent, r["step"] + 1, self.tracker.replay_until)
 
     # ---- the start ------------------------------------------------------------------------------
     def start(self, resumed_run_id: str | None, step: Callable[[], int], *, manifest, vocab_size: int,
@@ -79,6 +119,7 @@ class RunRecorder:
             self.tracker.log_input(dataset, "train")  # once per run: the store keeps one input per dataset
             self.tracker.checkpoint_models = checkpoint_models(cfg, self.out_dir, dataset, param_counts)
         run_id = broadcast_run_id(run_id, eng.is_main)
+        self._record_restart(run_id)
         self._start_system_metrics(run_id, step)
         return run_id
 

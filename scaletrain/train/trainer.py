@@ -38,6 +38,7 @@ from scaletrain.models import build_model, count_parameters
 from scaletrain.models.memory import apply_max_tokens, reuse_max_tokens
 from scaletrain.oom import OomPolicy, as_oom, is_oom
 from scaletrain.train.baseline import unigram_nll
+from scaletrain.train.global_batch import plan_for_run
 from scaletrain.train.components import EarlyStopper, Evaluator, ProgressDisplay, StepLogger
 from scaletrain.train.nonfinite import NonfiniteGuard
 from scaletrain.train.sync_count import step_range
@@ -84,6 +85,12 @@ class Trainer:
     def __init__(self, cfg: Config, engine: Engine | None = None, stream=None):
         self.cfg = cfg
         seed_everything(cfg.train.seed)
+        # the run's global batch at this world size: engine.grad_accum re-derived before the engine reads it
+        world = engine.world_size if engine is not None else int(os.environ.get("WORLD_SIZE") or 1)
+        rank = engine.rank if engine is not None else int(os.environ.get("RANK") or 0)
+        self.batch_plan = plan_for_run(cfg, world, is_main=rank == 0)
+        if engine is not None:
+            engine.grad_accum = cfg.engine.grad_accum
         self.engine = eng = engine if engine is not None else build_engine(cfg)
         check_shared_run_dir(cfg.out_dir, eng.rank, eng.world_size)  # every host sees it, or one line, exit 2
         self.manifest = load_manifest(run_source(cfg.data))
@@ -324,6 +331,7 @@ class Trainer:
         self.save_timer.saved()  # any checkpoint restarts the save_every_minutes interval (and records it)
         trainer_state = {**self.state.state_dict(), "world_size": self.engine.world_size, "recipe": self.cfg.name,
                          "max_tokens": int(self.cfg.data.max_tokens),  # what a resume of data.max_tokens: auto reuses
+                         "global_batch_slots": self.batch_plan.slots, "grad_accum_asked": self.batch_plan.asked,
                          "corpus": self.corpus}
         return CheckpointContents(trainer_state=trainer_state, rank_state={"stream": self._stream_position()},
                                   config_yaml=self.config_yaml, langs=self.vocab.langs, vocab=self.vocab)
@@ -360,7 +368,7 @@ class Trainer:
             self.stream.load_state_dict(streams[dp.rank])
         if not loaded.same_world:
             seed_everything(rederived_seed(self.cfg.train.seed, self.state.step, eng.rank))
-        self.recorder.resumed_at(self.state.step)
+        self.recorder.resumed_at(self.state.step, old_world)
         if eng.is_main:
             log.info("resumed from %s at step %d", self.ckpt.root / tag, self.state.step)
             if not loaded.same_world:

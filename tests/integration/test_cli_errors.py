@@ -148,3 +148,28 @@ def test_launch_sh_default_job_is_sized_for_the_machine(tmp_path, django_shards)
     (checkout / "shards" / "django").symlink_to(django_shards)  # built by an earlier ./launch.sh
     text = _dry_run(checkout, env, "--out", str(tmp_path / "c"))
     assert "shards shards/django, out" in text and "to build" not in text, text
+
+
+def test_launch_sh_elastic_maps_onto_torchrun_and_refuses_what_does_not_fit(tmp_path, django_shards):
+    """``--elastic MIN:MAX``: the torchrun command with its bounded rendezvous timeouts (the one
+    test_elastic_restart runs on two hosts); options that contradict it: one line, exit 2, nothing started."""
+    from helpers import launch_checkout, run_launch_sh
+
+    checkout = launch_checkout(tmp_path)
+    base = ["--nproc", "2", "--out", "runs/job", f"data.shards={django_shards}", "engine.precision=fp32"]
+    text = _dry_run(checkout, None, "--elastic", "1:4", "--master_addr", "node0", *base)
+    assert (f"== dry run: would run on each node: torchrun --nnodes=1:4 --nproc-per-node=2 --max-restarts=3 "
+            "--rdzv-backend=c10d --rdzv-endpoint=node0:29500 --rdzv-id=job "
+            "--rdzv-conf=join_timeout=600,last_call_timeout=30,close_timeout=30 -m scaletrain train --config small ") \
+        in text, text
+    assert "2 process(es) per node x 4 node(s)" in text  # checked for the largest world
+    for args, needle in ((["--elastic", "4:1", "--master_addr", "n0"], "--elastic must be MIN:MAX"),
+                         (["--elastic", "1:2"], "--elastic needs --master_addr"),
+                         (["--elastic", "1:2", "--master_addr", "n0", "--node_rank", "1"], "--node_rank does not go"),
+                         (["--elastic", "1:2", "--master_addr", "n0", "--no_ssh"], "drop --no_ssh")):
+        p = run_launch_sh([*args, *base], checkout, timeout=120)
+        lines = p.stdout.decode().strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], lines
+    p = run_launch_sh(["--elastic", "1:2", "--master_addr", "n0", f"data.shards={django_shards}"], checkout, timeout=120)
+    assert p.returncode == 2 and "--elastic needs --out DIR" in p.stdout.decode(), p.stdout.decode()
+    assert not (checkout / "runs").exists()
