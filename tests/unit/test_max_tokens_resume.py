@@ -15,6 +15,7 @@ import pytest
 
 from scaletrain.config import load_config
 from scaletrain.models import memory
+from test_checkpoint_compat import _fit  # one trainer run, then closed
 from test_engine_loop import TINY, SkippingEngine
 
 GiB = 2**30
@@ -28,13 +29,6 @@ def _trainer(shards, out, monkeypatch, gib: float, *over):
     cfg = load_config("small", [*TINY, "data.max_tokens=auto", "engine.precision=fp32", f"data.shards={shards}",
                                 f"train.out_dir={out}", "train.resume=true", *over])
     return Trainer(cfg, engine=SkippingEngine(cfg, skip=()))
-
-
-def _fit(trainer):
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
 
 
 def test_a_resume_on_another_device_keeps_the_checkpoints_budget(django_shards, tmp_path, monkeypatch, caplog):
