@@ -10,7 +10,10 @@ OUT/NAME/grads_rank{r}.pt (a gradient of zeros where a parameter got none) plus 
 (this rank's expert parameter count, the model's parameter count the trainer logs, ``no_grad``: the
 names of the non-empty parameters that got no gradient).
 Any other job is a training job of test_engine_replay.py's ``run_job`` (same global batch per update
-for any layout; OUT/NAME/params_rank{r}.pt holds the consolidated parameters).
+for any layout; OUT/NAME/params_rank{r}.pt holds the consolidated parameters). NAME may hold a ``/``
+(a subdirectory per group of jobs). Accelerate's process-wide settings (precision, gradient accumulation) are
+cleared before each job, so one launch runs Accelerate DDP jobs of any precision and accumulation; the process
+group stays.
 """
 from __future__ import annotations
 
@@ -82,6 +85,10 @@ def main(argv: list[str]) -> None:
     argv = _strip_launcher_args(argv)
     out, shards, jobs = Path(argv[0]), argv[1], json.loads(argv[2])
     for job in jobs:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
         if job.get("grads"):
             grads_job(out, shards, job)
         else:

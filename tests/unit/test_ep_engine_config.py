@@ -59,7 +59,7 @@ def test_ep_refusal_names_the_optimizer_deepspeed_picks_for_zero0_fp16():
 def test_ep_zero0_bf16_runs_as_autocast_without_deepspeeds_16bit_optimizer():
     """ZeRO-0 bf16 is accepted because DeepSpeed gets it as torch autocast over fp32 weights: no ``bf16``
     section enabled, so no FP16_UnfusedOptimizer copying rank 0's experts (the 2-rank equivalence is
-    tests/integration/test_moe_ep_training.py::test_ep2_trains_like_ep1_in_bf16[z0bf16])."""
+    tests/integration/test_expert_parallel.py::test_ep2_trains_like_ep1_in_bf16[z0bf16])."""
     from scaletrain.engine.ds_config import runtime_ds_config
 
     ds = load_ds_config(load_config("small", [*MOE, "engine.ds_config=zero0.json", "engine.precision=bf16"]), 2)

@@ -1,5 +1,5 @@
 """Routing metrics summed over ranks: the counts are summed before any share is formed, in one collective
-(the 2-rank end-to-end check is tests/integration/test_moce_ep_training.py's routing test)."""
+(the 2-rank end-to-end check is tests/integration/test_expert_parallel.py's routing test)."""
 from __future__ import annotations
 
 import pytest
