@@ -358,7 +358,8 @@ class Trainer:
         loaded = self.ckpt.load(tag)
         self.state.load_state_dict(loaded.trainer_state)
         self.stopper.restore()
-        eng, old_world = self.engine, len(loaded.rank_states)
+        eng = self.engine  # the same world: only this rank's state was read
+        old_world = eng.world_size if loaded.same_world else len(loaded.rank_states)
         if fits.other_corpus:  # train.resume_other_corpus: another corpus is read from its start
             pass
         elif loaded.same_world:
