@@ -107,6 +107,12 @@ if [[ -n "$elastic" ]]; then
   launch_cmd=(torchrun "--nnodes=$elastic" "--nproc-per-node=$nproc" "--max-restarts=${SCALETRAIN_ELASTIC_RESTARTS:-3}"
               --rdzv-backend=c10d "--rdzv-endpoint=${launcher_opt[master_addr]}:${launcher_opt[master_port]:-29500}"
               "--rdzv-id=$(basename "$out")" "--rdzv-conf=$rdzv_conf" -m scaletrain train --config "$recipe" "${overrides[@]}")
+  # A node that comes back while the job runs joins it: the agents restart the workers for the larger world.
+  # With the rendezvous TCP store shared with the workers (torch's default), torch's
+  # DynamicRendezvousHandler.next_rendezvous keeps the first round's store address on the node that stays
+  # rank 0 and never writes MASTER_ADDR/PORT under the new round's keys: the new node waits for them until
+  # the rendezvous times out. With this each round builds them (and rank 0 of each attempt its own store).
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
 if [[ $dry_run == 1 ]]; then
   [[ -n "$elastic" ]] && echo "== dry run: would run on each node: ${launch_cmd[*]}"

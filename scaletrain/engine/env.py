@@ -41,6 +41,28 @@ def ensure_dist_env() -> None:
         )
 
 
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # set to 1 for torchrun: each round builds its store info
+
+
+def elastic_join_note(environ=None) -> str | None:
+    """The line rank 0 prints once (the agent's first attempt) when torchrun runs this job with restarts
+    allowed and its rendezvous store shared with the workers (torch's default: the agent puts
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` in the worker's environment, which holds the agent's own variables
+    too), else None. Then a node that comes back while the job runs cannot join: the agents restart the workers
+    to take it in, but torch's ``DynamicRendezvousHandler.next_rendezvous`` (2.13) keeps the first round's
+    store address on the node that stays rank 0, which never writes it under the new round's keys, so the
+    new node waits for it until the rendezvous times out. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun
+    makes every round build it (``launch.sh --elastic`` sets it)."""
+    env = os.environ if environ is None else environ
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get(SHARED_STORE_OFF) == "1"
+            or not restarts.isdigit() or int(restarts) == 0 or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+        return None
+    return (f"torchrun restarts this job (--max-restarts={restarts}) with its rendezvous store shared with the "
+            f"workers: a node that comes back while the job runs cannot join it (the new rendezvous round times "
+            f"out) unless {SHARED_STORE_OFF}=1 is set for torchrun (launch.sh --elastic sets it)")
+
+
 def collective_timeout(cfg) -> timedelta:
     """``engine.collective_timeout_minutes`` for the default process group AND every group created later:
     DeepSpeed makes its data-parallel groups with ``new_group(ranks)``, which takes torch's module default

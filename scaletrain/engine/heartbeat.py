@@ -217,8 +217,12 @@ def start_heartbeat(cfg, rank: int, world_size: int, table, resume_note: Callabl
         store.set_timeout(timedelta(seconds=max(1.0, 2 * interval)))
     except Exception:  # noqa: BLE001
         pass
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    hb = Heartbeat(store, rank, world_size, timeout_s, interval, prefix=f"scaletrain/hb/{restart}")
+    # keys of this attempt alone, the same on every rank: rank 0's host and pid (every rank has the table).
+    # Not TORCHELASTIC_RESTART_COUNT: a node that joins a running elastic job starts at 0 while the nodes it
+    # joins are at 1 or more (torchrun's restart for a new node does not count), and the store may outlive
+    # an attempt (torchrun's agent store), with its counters
+    host0, pid0 = table[0]
+    hb = Heartbeat(store, rank, world_size, timeout_s, interval, prefix=f"scaletrain/hb/{host0}-{pid0}")
 
     def on_lost(lost, store_lost):
         try:

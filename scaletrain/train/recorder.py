@@ -41,6 +41,16 @@ RESTARTS = "restarts.jsonl"  # OUT/tracking/: one line per resume of the job (Ru
 __all__ = ["RunRecorder", "run_tags"]
 
 
+def _restart_kind(r: Mapping) -> str:
+    """How a resume came about, for the restart's note: torchrun's agent restarting the workers after a
+    failure (its restart count), the agents taking in a node that joined (a larger world: torchrun does not
+    count that restart, and the joining node's agent starts at 0), or a re-run."""
+    elastic = "TORCHELASTIC_RUN_ID" in os.environ
+    if elastic and r["world_size_new"] > r["world_size_old"]:
+        return "elastic restart: a node joined"
+    return f"elastic restart {r['elastic_restart']}" if r["elastic_restart"] else "a re-run"
+
+
 class RunRecorder:
     """The MLflow record of the job training ``cfg`` on ``engine`` into ``out_dir`` (made on every rank;
     only rank 0's tracker writes, and each node's local rank 0 samples its system metrics)."""
@@ -77,7 +87,7 @@ class RunRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps({"restart": n, "run_id": run_id, **r}) + "\n")
-        how = f"elastic restart {r['elastic_restart']}" if r["elastic_restart"] else "a re-run"
+        how = _restart_kind(r)
         text = (f"world size {r['world_size_old']} -> {r['world_size_new']}, resumed at step {r['step']}, "
                 f"{r['updates_redone']} update(s) redone ({how})")
         log.info("restart %d of %s: %s", n, f"MLflow run {run_id}" if run_id else "the job", text)

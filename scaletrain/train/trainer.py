@@ -30,7 +30,7 @@ from scaletrain.data.shards import load_manifest
 from scaletrain.data.sources import run_source
 from scaletrain.data.spm_models import load_shard_vocab
 from scaletrain.engine import Engine, build_engine
-from scaletrain.engine.env import Peers
+from scaletrain.engine.env import Peers, elastic_join_note
 from scaletrain.engine.heartbeat import start_heartbeat
 from scaletrain.engine.shared_dir import check_shared_run_dir
 from scaletrain.errors import ScaletrainError
@@ -118,6 +118,8 @@ class Trainer:
         self.preempted = False
         # a lost host (killed, cut off) stops every rank within engine.peer_timeout_s, named (heartbeat.py)
         self.heartbeat = start_heartbeat(cfg, eng.rank, eng.world_size, self.peers.table, self._resume_note)
+        if eng.is_main and (note := elastic_join_note()):  # torchrun by hand: growing back would hang
+            log.warning(note)
 
     def _components(self, cfg: Config, eng: Engine) -> None:
         """The components around the step, each given the keys it uses (``X.for_run(cfg, ...)`` where building
@@ -356,7 +358,8 @@ class Trainer:
         loaded = self.ckpt.load(tag)
         self.state.load_state_dict(loaded.trainer_state)
         self.stopper.restore()
-        eng, old_world = self.engine, len(loaded.rank_states)
+        eng = self.engine  # the same world: only this rank's state was read
+        old_world = eng.world_size if loaded.same_world else len(loaded.rank_states)
         if fits.other_corpus:  # train.resume_other_corpus: another corpus is read from its start
             pass
         elif loaded.same_world:
