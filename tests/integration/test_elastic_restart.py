@@ -20,6 +20,16 @@ needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun (``launch.sh --elast
 shared store the new round's rendezvous times out. While host 1 starts, host 0's rank is paused (SIGSTOP,
 SIGCONT once host 0's agent has seen the new node): the run's steps take milliseconds here, and a run
 this short would otherwise end before a second Python process has started on a loaded 2-core machine.
+
+The second test: Accelerate DDP with expert parallelism (``engine.backend=accelerate engine.accelerate=ddp``
+appended to the same ``launch.sh --elastic`` command, as the README documents; a tiny MoE model, 4 experts,
+``moe.ep_size=2``), 2 hosts x 2 ranks, all of host 1 killed after a checkpoint, no grow-back: world size
+4 -> 2, which ep_size 2 still divides. The checkpoint holds 2 expert shards (EP ranks 0 and 1, each written by
+the first rank of its expert-data-parallel group of 2); after the restart each of the 2 ranks takes its own.
+Host 0 ends with exit 0; 4 batch slots per update before and after (4 ranks x 1, then 2 x grad_accum 2); the
+losses after the restart equal those of the same checkpoint resumed by hand at 2 ranks x ``engine.grad_accum=2``
+(the same backend and ep_size), and the redone updates' losses equal those the 4 ranks logged before the kill;
+at most ``train.save_every`` updates redone; one MLflow run with the restart tag.
 """
 from __future__ import annotations
 
