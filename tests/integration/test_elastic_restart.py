@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, deepspeed_cmd, free_port, launch_checkout, launcher_env, tiny_model
+from helpers import ROOT, deepspeed_cmd, launch_checkout, launcher_env, tiny_model
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY, PEER_TIMEOUT = 60, 4, 3
@@ -133,19 +133,14 @@ def _hand_resume(ckpt: Path, out: Path, shards: Path, env: dict, nproc: int, slo
                  steps: int = STEPS) -> subprocess.Popen:
     """``ckpt`` copied into a run directory of its own and resumed by hand at ``nproc`` rank(s) x
     ``engine.grad_accum`` = ``slots`` / ``nproc`` (the run's batch slots), MLflow off, the run's ``extra``
-    overrides appended (with ``engine.backend=accelerate``: under ``accelerate launch``, as launch.sh starts
-    it); started, not waited for."""
+    overrides appended; started, not waited for. Either engine's ranks take their places from the launcher's
+    environment (as under torchrun), so several ranks start under the light launcher of :func:`deepspeed_cmd`."""
     shutil.copytree(ckpt, out / "checkpoints" / ckpt.name)
     (out / "checkpoints" / "latest").write_text(ckpt.name)
     args = ["train", "--config", "small", *_overrides(shards, out, steps), f"engine.grad_accum={slots // nproc}",
             "tracking.enabled=false", *extra]
-    if "engine.backend=accelerate" in extra:
-        cmd = [str(ROOT / ".venv" / "bin" / "accelerate"), "launch", "--config_file", "ds_configs/accelerate_ddp.yaml",
-               "--num_processes", str(nproc), "--main_process_port", str(free_port()), "-m", "scaletrain", *args]
-    elif nproc == 1:
-        cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "scaletrain", *args]
-    else:
-        cmd = deepspeed_cmd(nproc, "scaletrain", *args)
+    cmd = ([str(ROOT / ".venv" / "bin" / "python"), "-m", "scaletrain", *args] if nproc == 1
+           else deepspeed_cmd(nproc, "scaletrain", *args))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
