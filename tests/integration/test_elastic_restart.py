@@ -354,6 +354,7 @@ def test_accelerate_ddp_with_expert_parallelism_restarts_on_the_survivor_with_it
     text = logs[0].text()
     assert rc0 == 0, text[-5000:]
     assert "--nproc-per-node=2 --max-restarts=3" in text and "engine.backend=accelerate" in text, text[:3000]
+    assert "per node with accelerate (ddp) -> " in text, text[:3000]  # launch.sh names the engine the ranks run
     before, after, step_killed, ckpt, resumed_step = _restarted(logs[0], t_kill, 4)
     redone = step_killed - resumed_step
     print(f"Accelerate DDP, MoE ep_size=2, world 4 -> 2: job {t_end - t_start:.1f} s, host 1 killed at "
