@@ -103,6 +103,8 @@ declare -A plan=()
 plan_out=$(python -m scaletrain.engine.preflight --launch-plan --config "$recipe" --world-size $((nproc * num_nodes)) --local-ranks "$nproc" "${overrides[@]}")
 while IFS='=' read -r key value; do plan["$key"]="$value"; done <<<"$plan_out"
 export SCALETRAIN_AUTO_PRECISION="${SCALETRAIN_AUTO_PRECISION:-${plan[precision]}}"
+# the engine the ranks will run: the config's (an engine.backend=accelerate override under --elastic too)
+engine_said="${plan[backend]:-$engine}"; [[ "$engine_said" == accelerate ]] && engine_said="accelerate (${plan[accelerate]})"
 if [[ -n "$elastic" ]]; then
   launch_cmd=(torchrun "--nnodes=$elastic" "--nproc-per-node=$nproc" "--max-restarts=${SCALETRAIN_ELASTIC_RESTARTS:-3}"
               --rdzv-backend=c10d "--rdzv-endpoint=${launcher_opt[master_addr]}:${launcher_opt[master_port]:-29500}"
@@ -116,7 +118,7 @@ if [[ -n "$elastic" ]]; then
 fi
 if [[ $dry_run == 1 ]]; then
   [[ -n "$elastic" ]] && echo "== dry run: would run on each node: ${launch_cmd[*]}"
-  echo "== dry run: recipe $recipe, $nproc process(es) per node x $num_nodes node(s) with $engine, GPUs seen $gpus,"
+  echo "== dry run: recipe $recipe, $nproc process(es) per node x $num_nodes node(s) with $engine_said, GPUs seen $gpus,"
   echo "   precision $SCALETRAIN_AUTO_PRECISION, shards ${plan[shards]}$([[ "${plan[prepare]}" == 1 ]] && echo " (to build: scaletrain prepare --out ${plan[shards]}${plan[prepare_args]:+ ${plan[prepare_args]}})"), out $out"
   exit 0
 fi
@@ -134,7 +136,7 @@ if [[ "${plan[prepare]}" == 1 ]]; then
   echo "== preparing the corpus: scaletrain prepare --out $shards${plan[prepare_args]:+ ${plan[prepare_args]}}"
   scaletrain prepare --out "$shards" --overwrite "${prepare_args[@]}"
 fi
-echo "== training $recipe on $nproc process(es) per node with $engine -> $out"
+echo "== training $recipe on $nproc process(es) per node with $engine_said -> $out"
 t0=$(date +%s)
 if [[ -n "$elastic" ]]; then
   echo "== elastic ($elastic nodes): ${launch_cmd[*]}"

@@ -162,6 +162,16 @@ FAULTS = (
           "  :\n",
           ("tests/integration/test_elastic_restart.py",),
           "launch.sh --elastic leaves torch's rendezvous store shared: a node that comes back cannot join (the new round times out)"),
+    Fault("elastic-experts-own-shard", "elastic restart", "scaletrain/checkpoint/experts.py",
+          "        _load_own_shard(ckpt_dir, named, optimizer, ctx)\n        return\n",
+          "        return\n",
+          ("tests/integration/test_elastic_restart.py::test_accelerate_ddp_with_expert_parallelism_restarts_on_the_survivor_with_its_experts",),
+          "a resume at the checkpoint's moe.ep_size keeps the experts the engine's files hold (EP rank 0's) on every rank"),
+    Fault("elastic-grad-accum", "elastic restart", "scaletrain/train/global_batch.py",
+          "    cfg.engine.grad_accum = plan.grad_accum\n",
+          "    pass\n",
+          ("tests/integration/test_elastic_restart.py::test_accelerate_ddp_with_expert_parallelism_restarts_on_the_survivor_with_its_experts",),
+          "grad_accum is planned but not used: a job restarted on fewer ranks trains a smaller global batch"),
 )
 
 

@@ -20,6 +20,16 @@ needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun (``launch.sh --elast
 shared store the new round's rendezvous times out. While host 1 starts, host 0's rank is paused (SIGSTOP,
 SIGCONT once host 0's agent has seen the new node): the run's steps take milliseconds here, and a run
 this short would otherwise end before a second Python process has started on a loaded 2-core machine.
+
+The second test: Accelerate DDP with expert parallelism (``engine.backend=accelerate engine.accelerate=ddp``
+appended to the same ``launch.sh --elastic`` command, as the README documents; a tiny MoE model, 4 experts,
+``moe.ep_size=2``), 2 hosts x 2 ranks, all of host 1 killed after a checkpoint, no grow-back: world size
+4 -> 2, which ep_size 2 still divides. The checkpoint holds 2 expert shards (EP ranks 0 and 1, each written by
+the first rank of its expert-data-parallel group of 2); after the restart each of the 2 ranks takes its own.
+Host 0 ends with exit 0; 4 batch slots per update before and after (4 ranks x 1, then 2 x grad_accum 2); the
+losses after the restart equal those of the same checkpoint resumed by hand at 2 ranks x ``engine.grad_accum=2``
+(the same backend and ep_size), and the redone updates' losses equal those the 4 ranks logged before the kill;
+at most ``train.save_every`` updates redone; one MLflow run with the restart tag.
 """
 from __future__ import annotations
 
@@ -42,9 +52,9 @@ STEPS, SAVE_EVERY, PEER_TIMEOUT = 60, 4, 3
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def _overrides(shards: Path, out: Path) -> list[str]:
+def _overrides(shards: Path, out: Path, steps: int = STEPS) -> list[str]:
     return [f"data.shards={shards}", *tiny_model(), "data.max_tokens=400", "data.max_bytes=40", "data.num_workers=0",
-            f"train.out_dir={out}", f"train.max_steps={STEPS}", "train.log_every=1", "train.valid_every=0",
+            f"train.out_dir={out}", f"train.max_steps={steps}", "train.log_every=1", "train.valid_every=0",
             f"train.save_every={SAVE_EVERY}", "train.keep_last=100", "optim.warmup_steps=2", "engine.precision=fp32",
             "engine.ds_config=zero2.json", "engine.threads=1", f"engine.peer_timeout_s={PEER_TIMEOUT}",
             "tracking.system_metrics=false", "tracking.progress=false"]
@@ -119,16 +129,47 @@ def _rank_pid(host) -> int:
     raise AssertionError(f"no rank under a torchrun agent on {host.hostname}")
 
 
-def _hand_resume(ckpt: Path, out: Path, shards: Path, env: dict, nproc: int) -> subprocess.Popen:
+def _hand_resume(ckpt: Path, out: Path, shards: Path, env: dict, nproc: int, slots: int = 2, extra: tuple = (),
+                 steps: int = STEPS) -> subprocess.Popen:
     """``ckpt`` copied into a run directory of its own and resumed by hand at ``nproc`` rank(s) x
-    ``engine.grad_accum`` = 2 / ``nproc`` (the run's 2 batch slots), MLflow off; started, not waited for."""
+    ``engine.grad_accum`` = ``slots`` / ``nproc`` (the run's batch slots), MLflow off, the run's ``extra``
+    overrides appended; started, not waited for. Either engine's ranks take their places from the launcher's
+    environment (as under torchrun), so several ranks start under the light launcher of :func:`deepspeed_cmd`."""
     shutil.copytree(ckpt, out / "checkpoints" / ckpt.name)
     (out / "checkpoints" / "latest").write_text(ckpt.name)
-    args = ["train", "--config", "small", *_overrides(shards, out), f"engine.grad_accum={2 // nproc}",
-            "tracking.enabled=false"]
+    args = ["train", "--config", "small", *_overrides(shards, out, steps), f"engine.grad_accum={slots // nproc}",
+            "tracking.enabled=false", *extra]
     cmd = ([str(ROOT / ".venv" / "bin" / "python"), "-m", "scaletrain", *args] if nproc == 1
            else deepspeed_cmd(nproc, "scaletrain", *args))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _restarted(log: _Log, t_kill: float, world: int) -> tuple[str, str, int, Path, int]:
+    """Host 0's log of a job at ``world`` ranks whose host 1 was killed at ``t_kill``: ``(before, after,
+    step_killed, ckpt, resumed_step)``, the text before and from the ranks' error line, the last update logged
+    before it, the checkpoint the restart resumed and its step. Asserts the exit 76, the first update after the
+    restart (the one after the checkpoint), at most ``train.save_every`` updates redone, and prints where the
+    time from the kill to that update went."""
+    text = log.text()
+    before, after = text[:text.index("scaletrain: error:")], text[text.index("scaletrain: error:"):]
+    assert f"training small: {world} ranks" in before, before[-3000:]
+    step_killed = max(int(m) for m in re.findall(r"step +(\d+) \| loss", before))
+    # where the time went: the rank's line (lost peer), the agent's restart, its rendezvous, the first update
+    t_err, err = log.first(r"scaletrain: error: ", t_kill)
+    assert "exit 76: retry" in err, err
+    t_restart, _ = log.first(r"[Rr]estart", t_err)
+    t_rdzv, _ = log.first(r"Rendezvous complete|rendezvous.*complete", t_restart)
+    t_first, first = log.first(r"step +\d+ \| loss", t_rdzv)
+    resumed = re.search(r"resumed from (\S+) at step (\d+)", after)
+    assert resumed, text[-4000:]
+    ckpt, resumed_step = Path(resumed.group(1)), int(resumed.group(2))
+    redone = step_killed - resumed_step
+    print(f"kill of host 1 at update {step_killed} -> first update after the restart: {t_first - t_kill:.1f} s "
+          f"(detection {t_err - t_kill:.1f} s, agent {t_restart - t_err:.1f} s, rendezvous {t_rdzv - t_restart:.1f} s, "
+          f"start-up and resume {t_first - t_rdzv:.1f} s); resumed at {resumed_step}, {redone} update(s) redone")
+    assert 0 <= redone <= SAVE_EVERY, (step_killed, resumed_step)
+    assert int(re.search(r"step +(\d+)", first).group(1)) == resumed_step + 1, first
+    return before, after, step_killed, ckpt, resumed_step
 
 
 def test_a_lost_host_restarts_on_the_survivor_and_grows_back_with_the_same_global_batch(netns_hosts, django_shards,
@@ -195,25 +236,8 @@ def test_a_lost_host_restarts_on_the_survivor_and_grows_back_with_the_same_globa
     assert rc0 == 0 and rc1 == 0, (rc0, rc1, text[-5000:], logs[1].text()[-3000:])
     assert f"== elastic (1:2 nodes): {torchrun}" in text, text[:3000]
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in text  # launch.sh set it: no rank-0 line about it
-    before = text[:text.index("scaletrain: error:")]
-    assert "training small: 2 ranks" in before, before[-3000:]
-    step_killed = max(int(m) for m in re.findall(r"step +(\d+) \| loss", before))
-
-    # where the time went: the rank's line (lost peer), the agent's restart, its rendezvous, the first update
-    assert "exit 76: retry" in logs[0].first(r"scaletrain: error: ", t_kill)[1]
-    t_restart, _ = logs[0].first(r"[Rr]estart", t_err)
-    t_rdzv, _ = logs[0].first(r"Rendezvous complete|rendezvous.*complete", t_restart)
-    t_first, first = logs[0].first(r"step +\d+ \| loss", t_rdzv)
-    alone = text[text.index("scaletrain: error:"):]
-    resumed = re.search(r"resumed from (\S+) at step (\d+)", alone)
-    assert resumed, text[-4000:]
-    ckpt, resumed_step = Path(resumed.group(1)), int(resumed.group(2))
+    _, alone, step_killed, ckpt, resumed_step = _restarted(logs[0], t_kill, 2)
     redone = step_killed - resumed_step
-    print(f"kill of host 1 at update {step_killed} -> first update after the restart: {t_first - t_kill:.1f} s "
-          f"(detection {t_err - t_kill:.1f} s, agent {t_restart - t_err:.1f} s, rendezvous {t_rdzv - t_restart:.1f} s, "
-          f"start-up and resume {t_first - t_rdzv:.1f} s); resumed at {resumed_step}, {redone} update(s) redone")
-    assert 0 <= redone <= SAVE_EVERY, (step_killed, resumed_step)
-    assert int(re.search(r"step +(\d+)", first).group(1)) == resumed_step + 1, first
 
     # the grow-back: the agent's SIGTERM, the rank's checkpoint at the next step boundary, world size 2 from it
     preempted = re.search(r"preempted \(SIGTERM\) at step (\d+)", alone)
@@ -284,3 +308,108 @@ def test_a_lost_host_restarts_on_the_survivor_and_grows_back_with_the_same_globa
     print(f"losses vs the hand resumes: alone (steps {step_killed + 1}-{step_grown}) max rel. diff "
           f"{max(diffs1):.1e}, after the grow-back (steps {step_grown + 1}-{STEPS}) {max(diffs2):.1e}")
     assert max(diffs1) <= 1e-5 and max(diffs2) <= 1e-5, (diffs1, diffs2)
+
+
+MOE_STEPS = 24
+MOE_EP = ("engine.backend=accelerate", "engine.accelerate=ddp", "moe.num_experts=4", "moe.every=1", "moe.top_k=2",
+          "moe.ffn_dim=32", "moe.ep_size=2")
+
+
+def test_accelerate_ddp_with_expert_parallelism_restarts_on_the_survivor_with_its_experts(netns_hosts,
+                                                                                         django_shards, tmp_path):
+    """Accelerate DDP, MoE at ``moe.ep_size=2``, 2 hosts x 2 ranks; all of host 1 killed after a checkpoint:
+    world size 4 -> 2, ep_size 2 still divides it; host 0's agent restarts the job alone (shrink only)."""
+    hosts = netns_hosts(2)
+    out = tmp_path / "run"
+    env = {**launcher_env(tmp_path), "LOGLEVEL": "INFO"}
+    # the documented form: launch.sh --elastic with the backend override appended (the same torchrun command)
+    cmd = ["bash", "./launch.sh", "--elastic", "1:2", "--nproc", "2", "--no-eval", "--out", str(out),
+           "--master_addr", hosts[0].addr, "--master_port", "29542", "--rdzv_conf", RDZV_CONF,
+           *_overrides(django_shards, out, MOE_STEPS), *MOE_EP]
+    checkout = launch_checkout(tmp_path)
+    procs, logs = [], []
+    t_start = time.monotonic()
+    for h in (hosts[1], hosts[0]):  # host 1 first: it waits for host 0's store, both join the first round
+        p = h.popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True)
+        procs.insert(0, p)
+        logs.insert(0, _Log(p))
+    try:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 180
+        kill_at = f"step {2 * SAVE_EVERY + 2:6d} | loss"  # two updates after the second checkpoint
+        while not (latest.is_file() and kill_at in logs[0].text()):
+            assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].text()[-4000:]
+            time.sleep(0.02)
+        _kill_host(hosts[1], procs[1])  # all of host 1: its agent and both its ranks
+        t_kill = time.monotonic()
+        procs[1].wait()
+        rc0 = procs[0].wait(timeout=180)  # nobody acts
+        t_end = time.monotonic()
+    finally:
+        _stop(hosts, procs)
+        for k, lg in enumerate(logs):
+            lg.thread.join(timeout=5)
+            (tmp_path / f"host{k}.log").write_text(lg.text())
+    text = logs[0].text()
+    assert rc0 == 0, text[-5000:]
+    assert "--nproc-per-node=2 --max-restarts=3" in text and "engine.backend=accelerate" in text, text[:3000]
+    assert "per node with accelerate (ddp) -> " in text, text[:3000]  # launch.sh names the engine the ranks run
+    before, after, step_killed, ckpt, resumed_step = _restarted(logs[0], t_kill, 4)
+    redone = step_killed - resumed_step
+    print(f"Accelerate DDP, MoE ep_size=2, world 4 -> 2: job {t_end - t_start:.1f} s, host 1 killed at "
+          f"{t_kill - t_start:.1f} s")
+
+    # the experts: 2 EP ranks x 2 expert-data-parallel before (ep000/ep001 written by the first rank of each EDP
+    # group), 2 EP ranks x 1 after, each rank's from its shard
+    assert sorted(f.name for f in ckpt.glob("expert_shard_ep*.pt")) == ["expert_shard_ep000_of_002.pt",
+                                                                         "expert_shard_ep001_of_002.pt"]
+    assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 4
+    # the same global batch: 4 slots (4 ranks x 1), then 4 (2 ranks x grad_accum 2)
+    assert "training small: 2 ranks" in after, after[-3000:]
+    assert "global batch kept at 4 batch slots per update: 2 data-parallel rank(s) x grad_accum 2" in after, after
+    assert "batch slots per update (data-parallel size x grad_accum)" not in text  # no regroup
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == MOE_STEPS and not summary.get("preempted")
+    saved = json.loads((out / "checkpoints" / f"step-{MOE_STEPS:07d}" / "trainer_state.json").read_text())
+    assert (saved["world_size"], saved["global_batch_slots"]) == (2, 4)
+
+    # one MLflow run, the restart recorded, every step's metrics once
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((ckpt / "trainer_state.json").read_text())["run_id"]
+    note = f"world size 4 -> 2, resumed at step {resumed_step}, {redone} update(s) redone (elastic restart 1)"
+    assert summary["run_id"] == run_id and f"restart 1 of MLflow run {run_id}: {note}" in after, after[-3000:]
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert (run.data.tags["restarts"], run.data.tags["restart.1"]) == ("1", note)
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, MOE_STEPS + 1)), [m.step for m in history]
+
+    # the same checkpoint resumed by hand at 2 ranks x engine.grad_accum=2, Accelerate DDP, ep_size 2
+    t0 = time.monotonic()
+    hand = _hand_resume(ckpt, tmp_path / "hand", django_shards, env, 2, slots=4, extra=MOE_EP, steps=MOE_STEPS)
+    o = hand.communicate(timeout=240)[0]
+    assert hand.returncode == 0, o[-4000:]
+    print(f"hand resume from {ckpt.name} (2 ranks x grad_accum 2): {time.monotonic() - t0:.1f} s")
+    assert "training small: 2 ranks" in o, o[-3000:]
+    want = json.loads((tmp_path / "hand" / "train_summary.json").read_text())["train_loss"]
+    got = summary["train_loss"]  # the restarted attempt's
+    assert [s for s, _ in got] == [s for s, _ in want] == list(range(resumed_step + 1, MOE_STEPS + 1))
+    diffs = [abs(x - y) / abs(y) for (_, x), (_, y) in zip(got, want)]
+    # the updates redone after the restart read the global batches the 4 ranks read before the kill: their losses
+    # are those the first attempt logged (the journal's records before its "resume" record). The hand resume runs
+    # the same resume code, so this is what sees each rank's experts come back (measured: equal to the last bit;
+    # with every rank given EP rank 0's experts, tests/mutations.py elastic-experts-own-shard, they part at once)
+    from scaletrain.tracking.journal import read_journal
+
+    records = read_journal(out / "tracking" / "journal.jsonl")
+    first_attempt = records[:next(i for i, r in enumerate(records) if r["t"] == "resume")]
+    logged = {r["s"]: r["v"]["train/loss"] for r in first_attempt if r["t"] == "m" and "train/loss" in r["v"]}
+    got = dict(got)
+    redo = [abs(got[s] - logged[s]) / abs(logged[s]) for s in range(resumed_step + 1, step_killed + 1)]
+    print(f"losses vs the hand resume (steps {resumed_step + 1}-{MOE_STEPS}): max rel. diff {max(diffs):.1e}; "
+          f"the {redone} redone update(s) vs the 4-rank attempt: {max(redo, default=0):.1e}")
+    assert max(diffs) <= 1e-5, diffs
+    assert len(redo) == redone and max(redo, default=0) <= 1e-5, redo
