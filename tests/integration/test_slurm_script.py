@@ -250,14 +250,16 @@ def test_b_a_lost_node_requeues_the_job(cluster, full_run, lost_node):
     # the updates before the kill are those of the uninterrupted job (a): the same 2 hosts, bitwise
     before, full = _logged(text), _logged(full_run[1])
     assert KILL_AT in before and {s: full[s] for s in before} == before, (before, full)
-    # the checkpoints of every save_every updates up to the kill, nothing after (the survivor stopped); a save
-    # the loss interrupted stays step-N.partial, at the last save point only, and `latest` never names it
+    # the checkpoints of every save_every updates up to the kill, nothing after (the survivor stopped). The loss
+    # can interrupt the save of the last save point the survivor logged at any stage: before it wrote anything
+    # (its first exchange with the lost node failed: no entry), or after (it stays step-N.partial); at the last
+    # save point only, and `latest` never names it
     names = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     saved = sorted(int(n[5:]) for n in names if n[5:].isdigit())
     partial = [int(n[5:-len(".partial")]) for n in names if n.endswith(".partial")]
     due = list(range(SAVE_EVERY, max(before) + 1, SAVE_EVERY))
     assert len(saved) + len(partial) == len(names) and partial in ([], due[-1:]), names
-    assert saved == [s for s in due if s not in partial], (names, max(before))
+    assert saved == due or (saved == due[:-1] and len(due) > 1), (names, max(before))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{saved[-1]:07d}"
 
 
