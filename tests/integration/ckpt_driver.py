@@ -1,9 +1,11 @@
-"""Run by the checkpoint-safety tests in a fresh process (one engine per process).
+"""Run by the checkpoint-safety tests in a fresh process (one engine per run; Accelerate's process-wide
+state, its DeepSpeed plugin included, is cleared before each).
 
-usage: ckpt_driver.py train OUT SHARDS STEPS OVERRIDES_JSON
+usage: ckpt_driver.py train BASE SHARDS STEPS RUNS_JSON
        ckpt_driver.py resume-planted OUT SHARDS OVERRIDES_JSON FILES_JSON RESULT_JSON
 
-``train``: train the tiny model STEPS updates into OUT (resuming from OUT's checkpoint if there is one).
+``train``: for each NAME: OVERRIDES of RUNS_JSON, train the tiny model STEPS updates into BASE/NAME (resuming
+from its checkpoint if there is one).
 ``resume-planted``: for each file name in FILES_JSON, restore OUT's newest checkpoint from its pristine
 copy, plant a ``__reduce__`` payload in that file (see :func:`plant`) and try to resume; record the
 error message of each attempt in RESULT_JSON.
@@ -56,16 +58,25 @@ def _cfg(out, shards, steps, overrides):
                                  *overrides])
 
 
+def _fresh_accelerate() -> None:
+    """Accelerate takes one Accelerator with the DeepSpeed plugin per process: each run starts without it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def main():
     mode, out, shards = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     from scaletrain.errors import ScaletrainError
     from scaletrain.train import Trainer
 
     if mode == "train":
-        steps, overrides = int(sys.argv[4]), json.loads(sys.argv[5])
-        t = Trainer(_cfg(out, shards, steps, overrides))
-        t.fit()
-        t.close()
+        steps = int(sys.argv[4])
+        for name, overrides in json.loads(sys.argv[5]).items():
+            _fresh_accelerate()
+            t = Trainer(_cfg(out / name, shards, steps, overrides))
+            t.fit()
+            t.close()
         return
     overrides, files, result = json.loads(sys.argv[4]), json.loads(sys.argv[5]), Path(sys.argv[6])
     root = out / "checkpoints"
@@ -78,6 +89,7 @@ def main():
         shutil.copytree(pristine, root / tag)
         marker = out / f"marker-{name}"
         plant(root / tag / name, str(marker))
+        _fresh_accelerate()
         t = Trainer(_cfg(out, shards, 3, overrides))
         try:
             t.fit()
