@@ -113,7 +113,8 @@ def test_samples_the_server_never_got_are_uploaded_by_tracking_sync(tmp_path):
     ends with them undelivered; `tracking sync` puts them on the run, once."""
     from helpers import free_port
 
-    from scaletrain.tracking import Tracker, sync_run
+    from scaletrain.tracking import Tracker, read_journal, sync_run
+    from scaletrain.tracking.journal import JOURNAL
 
     store = f"sqlite:///{tmp_path / 'mlruns.db'}"
     tr = Tracker(store, "sys-sync", "r", True, tmp_path, local_dir=tmp_path / "tracking")
@@ -130,6 +131,10 @@ def test_samples_the_server_never_got_are_uploaded_by_tracking_sync(tmp_path):
     assert c.get_metric_history(rid, f"system/node1/{CPU}") == []
     (rep,) = sync_run(tmp_path)
     got = sorted((m.step, m.timestamp) for m in c.get_metric_history(rid, f"system/node1/{CPU}"))
-    assert len(got) == sm.samples >= 4 and {s for s, _ in got} == {7, 8}
+    journal = read_journal(tmp_path / "tracking" / "system" / "node1" / JOURNAL)
+    assert len(journal) == sm.samples >= 4  # every sample journaled, the last one (taken by stop) too
+    # every journaled sample is on the run (two samples the loop and stop() took in the same millisecond are one
+    # point of MLflow's history when their values are equal)
+    assert set(got) == {(r["s"], r["ts"]) for r in journal} and {s for s, _ in got} == {7, 8}
     (again,) = sync_run(tmp_path)
     assert again.metrics_sent == 0  # nothing twice
